@@ -1,0 +1,403 @@
+"""Vanilla and speculative generation over one KV-cache layout.
+
+KV layout (both loops): the target's HF ``DynamicCache`` holds ``S`` slots per row, shared by the
+batch; ``kv_valid[b, s]`` says whether slot ``s`` of row ``b`` holds one of that row's tokens.
+Prompts are left-padded (invalid slots on the left); after a speculative round every row keeps
+only its accepted path, written into the first slots of the round's tree region, so rows that
+accepted fewer tokens leave invalid "holes" there. Holes are never attended to (the 4D mask
+closes them) and never shift positions (``position_ids`` are explicit: a row's position is the
+number of its valid slots), so a row's tokens and logits do not depend on the rest of the batch.
+This costs O(accepted) copies per round instead of re-packing the whole cache.
+
+The last accepted token of each row (the *root*) is not in the cache: it is node 0 of the next
+verify forward. Prefill therefore writes ``prompt[:-1]``, and every target forward after it emits
+at least one token, so vanilla decoding has τ = 1.00 exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from infer.accept import AcceptResult, accept_greedy, accept_rejection, accept_typical
+from infer.kernels import compact_kv
+from infer.sampling import SamplingParams, sample_from_probs, target_probs, warp_logits
+from infer.tree import DraftTree
+from models.target import TargetModel
+
+
+# ----------------------------------------------------------------------------------------- results
+@dataclass
+class GenerationStats:
+    """Counters of one generate call. τ and α follow DESIGN.md §4 (bonus token included in τ)."""
+
+    new_tokens: int = 0
+    """Tokens emitted over all rows."""
+    row_forwards: int = 0
+    """Σ over target verify forwards of the rows active in it (prefill excluded)."""
+    rounds: int = 0
+    """Target verify forwards (batched)."""
+    accepted_per_round: list[int] = field(default_factory=list)
+    """Accepted draft tokens per (round, row), bonus excluded."""
+    attempted_at_depth: list[int] = field(default_factory=list)
+    """[k] how often depth k+1 was reachable (all shallower positions accepted and a draft existed)."""
+    accepted_at_depth: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    bookkeeping_s: float = 0.0
+    total_s: float = 0.0
+    tree_nodes: int = 0
+    """Nodes per verify forward (root included); 1 for vanilla."""
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / max(1, self.row_forwards)
+
+    @property
+    def alpha(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.accepted_at_depth, self.attempted_at_depth)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput: emitted tokens / wall time (prefill included, as a user sees it)."""
+        return self.new_tokens / max(1e-9, self.total_s)
+
+    def step_costs(self) -> dict[str, float]:
+        """Mean seconds per round of draft and verify (the inputs of the predicted speedup)."""
+        r = max(1, self.rounds)
+        return {"draft_s": self.draft_s / r, "verify_s": self.verify_s / r, "bookkeeping_s": self.bookkeeping_s / r}
+
+    def predicted_speedup(self, vanilla_step_s: float) -> float:
+        """τ · t_target(1 token) / (t_draft + t_verify(tree)) per round (DESIGN.md §4)."""
+        c = self.step_costs()
+        return self.tau * vanilla_step_s / max(1e-12, c["draft_s"] + c["verify_s"])
+
+    def record_acceptance(self, accepted: int, tree_depth: int) -> None:
+        self.accepted_per_round.append(accepted)
+        while len(self.attempted_at_depth) < tree_depth:
+            self.attempted_at_depth.append(0)
+            self.accepted_at_depth.append(0)
+        for k in range(min(accepted + 1, tree_depth)):
+            self.attempted_at_depth[k] += 1
+            self.accepted_at_depth[k] += int(k < accepted)
+
+    def as_dict(self) -> dict:
+        return {
+            "tau": self.tau,
+            "alpha": self.alpha,
+            "new_tokens": self.new_tokens,
+            "rounds": self.rounds,
+            "tokens_per_s": self.tokens_per_s,
+            "tree_nodes": self.tree_nodes,
+            "time_s": {
+                "prefill": self.prefill_s,
+                "draft": self.draft_s,
+                "verify": self.verify_s,
+                "bookkeeping": self.bookkeeping_s,
+                "total": self.total_s,
+            },
+        }
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]
+    """New tokens per row (prompt excluded), stop token included, never more than max_new_tokens."""
+    stats: GenerationStats
+
+
+# ---------------------------------------------------------------------------------------- KV state
+class DecodeState:
+    """Per-row bookkeeping shared by the vanilla and speculative loops (see the module docstring)."""
+
+    def __init__(self, prompts: list[list[int]], params: SamplingParams, eos_ids: tuple[int, ...], device):
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        self.params = params
+        self.stop_ids = set(params.stop_token_ids) | set(eos_ids)
+        self.device = device
+        self.contexts = [list(p) for p in prompts]  # prompt + emitted tokens; last one is the root
+        self.new_tokens: list[list[int]] = [[] for _ in prompts]
+        self.active = list(range(len(prompts)))  # original row ids of the rows still in the batch
+        self.cache = DynamicCache()
+        self.kv_valid = torch.zeros(len(prompts), 0, dtype=torch.bool, device=device)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B_active] tokens of each row in the cache = position of its root."""
+        return self.kv_valid.sum(1)
+
+    @property
+    def roots(self) -> torch.Tensor:
+        return torch.tensor([self.contexts[r][-1] for r in self.active], device=self.device)
+
+    def emit(self, row: int, tokens: list[int]) -> bool:
+        """Append tokens to batch row ``row`` honouring stop ids and the budget; True if it finished."""
+        rid = self.active[row]
+        out = self.new_tokens[rid]
+        for t in tokens:
+            if len(out) >= self.params.max_new_tokens:
+                return True
+            out.append(t)
+            self.contexts[rid].append(t)
+            if t in self.stop_ids:
+                return True
+        return len(out) >= self.params.max_new_tokens
+
+    def drop_finished(self, finished: list[bool]) -> torch.Tensor | None:
+        """Remove finished rows from the batch and the cache; returns the kept batch indices or None."""
+        if not any(finished):
+            return None
+        keep = torch.tensor([i for i, f in enumerate(finished) if not f], dtype=torch.long, device=self.device)
+        self.active = [self.active[i] for i in keep.tolist()]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, keep)
+            layer.values = layer.values.index_select(0, keep)
+        self.kv_valid = self.kv_valid.index_select(0, keep)
+        return keep
+
+
+def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [B, q, k] → additive float mask [B, 1, q, k] (0 where allowed, dtype-min elsewhere)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+
+
+@torch.no_grad()
+def prefill(target: TargetModel, state: DecodeState, capture_aux: bool = False):
+    """Write ``prompt[:-1]`` of every row into the cache (left-padded). Returns the TargetOutput."""
+    body = [state.contexts[r][:-1] for r in state.active]
+    width = max(len(b) for b in body)
+    if width == 0:
+        return None
+    B = len(body)
+    ids = torch.zeros(B, width, dtype=torch.long, device=state.device)
+    valid = torch.zeros(B, width, dtype=torch.bool, device=state.device)
+    for i, b in enumerate(body):
+        if b:
+            ids[i, width - len(b) :] = torch.tensor(b, device=state.device)
+            valid[i, width - len(b) :] = True
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    causal = torch.ones(width, width, dtype=torch.bool, device=state.device).tril()
+    # padded query rows see themselves only, so no softmax row is empty (their outputs are unused)
+    allowed = (causal[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=state.device)[None]
+    out = target(
+        ids,
+        attention_mask=_additive_mask(allowed, target.dtype),
+        position_ids=positions,
+        past_key_values=state.cache,
+        use_cache=True,
+        capture_aux=capture_aux,
+    )
+    state.kv_valid = valid
+    return out
+
+
+# ----------------------------------------------------------------------------------------- vanilla
+@torch.no_grad()
+def generate_vanilla(
+    target: TargetModel, prompts: list[list[int]], params: SamplingParams, eos_ids: tuple[int, ...] = ()
+) -> GenerationResult:
+    """KV-cached autoregressive decoding: the baseline of every speedup.
+
+    Batch 1 takes the leanest path HF offers (no mask, implicit positions); batches use the shared
+    left-padded layout with a 4D mask so rows never see each other's padding.
+    """
+    stats = GenerationStats(tree_nodes=1)
+    t0 = time.perf_counter()
+    state = DecodeState(prompts, params, eos_ids, target.device)
+    gen = torch.Generator(device=target.device)
+    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    model = target.model
+    single = len(prompts) == 1
+    if single:
+        body = torch.tensor([state.contexts[0][:-1]], device=target.device)
+        if body.shape[1]:
+            model(input_ids=body, cache=state.cache, use_cache=True)
+        state.kv_valid = torch.ones(1, body.shape[1], dtype=torch.bool, device=target.device)
+    else:
+        prefill(target, state)
+    stats.prefill_s = time.perf_counter() - t0
+    while state.active:
+        tv = time.perf_counter()
+        roots = state.roots[:, None]
+        if single:
+            logits = model(input_ids=roots, cache=state.cache, use_cache=True).logits[:, -1]
+        else:
+            allowed = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)[:, None, :]
+            logits = model(
+                input_ids=roots,
+                attention_mask=_additive_mask(allowed, target.dtype),
+                position_ids=state.lengths[:, None],
+                cache=state.cache,
+                use_cache=True,
+            ).logits[:, -1]
+        stats.verify_s += time.perf_counter() - tv
+        tb = time.perf_counter()
+        if params.greedy:
+            nxt = logits.argmax(-1)
+        else:
+            u = torch.rand(logits.shape[0], generator=gen, device=logits.device)
+            nxt = sample_from_probs(warp_logits(logits, params).softmax(-1), u)
+        state.kv_valid = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)
+        stats.rounds += 1
+        stats.row_forwards += len(state.active)
+        finished = [state.emit(i, [t]) for i, t in enumerate(nxt.tolist())]
+        stats.new_tokens += len(finished)
+        state.drop_finished(finished)
+        stats.bookkeeping_s += time.perf_counter() - tb
+    stats.total_s = time.perf_counter() - t0
+    return GenerationResult(state.new_tokens, stats)
+
+
+# ------------------------------------------------------------------------------------- speculative
+class Proposer:
+    """Turns the runtime state into a draft tree. Subclasses: prompt lookup, draft model, drafters.
+
+    ``propose`` sees each active row's context (prompt + emitted tokens; the last one is the root)
+    and the draft's sampling needs. Proposers that read target features (EAGLE-3, MTP, Medusa) set
+    ``needs_features`` and receive, after every target forward, the features of the tokens that
+    entered the cache through ``observe``.
+    """
+
+    needs_features: bool = False
+
+    def begin(self, contexts: list[list[int]]) -> None:
+        """A new generate call starts with these rows."""
+
+    def propose(self, contexts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> DraftTree:
+        raise NotImplementedError  # every concrete proposer defines it
+
+    def observe(self, features: torch.Tensor, new_lengths: torch.Tensor) -> None:
+        """Target features [B, L, F] of the tokens just written to the cache (row b: first new_lengths[b])."""
+
+    def drop_rows(self, keep: torch.Tensor) -> None:
+        """Rows not in ``keep`` (batch indices) have finished."""
+
+
+@dataclass
+class SpecConfig:
+    accept: str = "auto"
+    """"auto" (greedy at T=0, rejection sampling otherwise; both lossless) or "typical" (Medusa; lossy)."""
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.accept not in ("auto", "typical"):
+            raise ValueError(f"accept must be 'auto' or 'typical', got {self.accept!r}")
+
+
+def verify_tree(target: TargetModel, state: DecodeState, tree: DraftTree, capture_aux: bool):
+    """One target forward over every row's tree: 4D ancestor mask, positions = root position + depth."""
+    B, n = tree.tokens.shape
+    anc = tree.ancestor_mask() & (tree.valid[:, None, :] | torch.eye(n, dtype=torch.bool, device=tree.tokens.device))
+    allowed = torch.cat([state.kv_valid[:, None, :].expand(B, n, -1), anc], dim=2)
+    positions = state.lengths[:, None] + tree.depths()
+    return target(
+        tree.tokens,
+        attention_mask=_additive_mask(allowed, target.dtype),
+        position_ids=positions,
+        past_key_values=state.cache,
+        use_cache=True,
+        capture_aux=capture_aux,
+    )
+
+
+def keep_accepted(state: DecodeState, result: AcceptResult, n: int) -> torch.Tensor:
+    """Compact the tree region of the cache to each row's accepted path; returns the path lengths."""
+    S_old = state.kv_valid.shape[1]
+    L = int(result.length.max())
+    keep = result.path[:, :L].clamp(min=0)  # -1 padding → node 0; those slots are marked invalid below
+    for layer in state.cache.layers:
+        # write the accepted path over the start of the tree region, then drop the rest (a view, no copy)
+        layer.keys[:, :, S_old : S_old + L] = compact_kv(layer.keys[:, :, S_old:], keep)
+        layer.values[:, :, S_old : S_old + L] = compact_kv(layer.values[:, :, S_old:], keep)
+        layer.keys, layer.values = layer.keys[:, :, : S_old + L], layer.values[:, :, : S_old + L]
+    new_valid = torch.arange(L, device=keep.device)[None] < result.length[:, None]
+    state.kv_valid = torch.cat([state.kv_valid, new_valid], 1)
+    return result.length
+
+
+@torch.no_grad()
+def generate_speculative(
+    target: TargetModel,
+    proposer: Proposer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    eos_ids: tuple[int, ...] = (),
+    spec: SpecConfig | None = None,
+) -> GenerationResult:
+    """Draft → verify the whole tree in one target forward → accept → keep the accepted path.
+
+    Lossless with ``spec.accept == "auto"``: token-identical to vanilla at T = 0 (up to numerical
+    ties) and distributed exactly as the target's warped distribution at T > 0.
+    """
+    spec = spec or SpecConfig()
+    stats = GenerationStats()
+    t0 = time.perf_counter()
+    state = DecodeState(prompts, params, eos_ids, target.device)
+    gen = torch.Generator(device=target.device)
+    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    proposer.begin([list(c) for c in state.contexts])
+    out = prefill(target, state, capture_aux=proposer.needs_features)
+    if proposer.needs_features and out is not None:
+        # prefill is left-padded; observe() takes each row's features from index 0
+        lengths, width = state.lengths, state.kv_valid.shape[1]
+        idx = (width - lengths[:, None] + torch.arange(width, device=lengths.device)[None]).clamp(max=width - 1)
+        proposer.observe(out.aux_hidden.gather(1, idx[..., None].expand(-1, -1, out.aux_hidden.shape[-1])), lengths)
+    stats.prefill_s = time.perf_counter() - t0
+
+    while state.active:
+        td = time.perf_counter()
+        tree = proposer.propose([state.contexts[r] for r in state.active], params, gen)
+        stats.draft_s += time.perf_counter() - td
+
+        tv = time.perf_counter()
+        out = verify_tree(target, state, tree, capture_aux=proposer.needs_features)
+        stats.verify_s += time.perf_counter() - tv
+
+        tb = time.perf_counter()
+        B, n = tree.tokens.shape
+        stats.tree_nodes = max(stats.tree_nodes, n)
+        if spec.accept == "typical":
+            result = accept_typical(
+                tree, out.logits, params, torch.rand(B, n, generator=gen, device=gen.device),
+                spec.typical_epsilon, spec.typical_delta,
+            )
+        elif params.greedy:
+            result = accept_greedy(tree, out.logits)
+        else:
+            result = accept_rejection(
+                tree,
+                target_probs(out.logits, params),
+                torch.rand(B, n, generator=gen, device=gen.device),
+                torch.rand(B, n, generator=gen, device=gen.device),
+            )
+        lengths = keep_accepted(state, result, n)
+        if proposer.needs_features:
+            idx = result.path[:, : int(lengths.max())].clamp(min=0)
+            feats = out.aux_hidden.gather(1, idx[..., None].expand(-1, -1, out.aux_hidden.shape[-1]))
+            proposer.observe(feats, lengths)
+
+        depth = int(tree.depths().masked_fill(~tree.valid, 0).max())
+        finished = []
+        path, length, bonus = result.path.tolist(), lengths.tolist(), result.bonus.tolist()
+        tokens = tree.tokens.tolist()
+        for i in range(B):
+            accepted = [tokens[i][j] for j in path[i][1 : length[i]]]
+            before = len(state.new_tokens[state.active[i]])
+            finished.append(state.emit(i, accepted + [bonus[i]]))
+            stats.new_tokens += len(state.new_tokens[state.active[i]]) - before
+            stats.record_acceptance(length[i] - 1, depth)
+        stats.rounds += 1
+        stats.row_forwards += B
+        keep = state.drop_finished(finished)
+        if keep is not None:
+            proposer.drop_rows(keep)
+        stats.bookkeeping_s += time.perf_counter() - tb
+    stats.total_s = time.perf_counter() - t0
+    return GenerationResult(state.new_tokens, stats)

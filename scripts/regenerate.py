@@ -1,0 +1,56 @@
+"""Self-distillation: regenerate every assistant turn of a chat dataset with the target.
+
+    python scripts/regenerate.py --target assets/reference-target \
+        --data data/stdlib_train_chat.jsonl --out data/stdlib_train_regen.jsonl --temperature 0.8
+
+A drafter is trained to predict the *target's* tokens, so answers written by another model (ShareGPT,
+UltraChat) are replaced by the target's own (EAGLE/Medusa practice, temperature ~0.8). Turns are
+regenerated in order, each from the regenerated earlier turns; the output is a ``messages`` jsonl
+written atomically. The logic lives in ``train.data.regenerate_dataset``; this file is the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from train.data import DataConfig, regenerate_dataset  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="HF checkpoint directory (or hub name) of the target")
+    ap.add_argument("--data", required=True, help="chat dataset: jsonl/json/parquet file, directory or hub name")
+    ap.add_argument("--out", required=True, type=Path, help="output .jsonl (messages format)")
+    ap.add_argument("--format", default="auto", choices=["auto", "sharegpt", "messages"])
+    ap.add_argument("--split", default="train")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-length", type=int, default=2048, help="prompt + new tokens must fit")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--limit", type=int, help="regenerate only the first N rows")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(device)
+    cfg = DataConfig(path=args.data, split=args.split, format=args.format, max_length=args.max_length)
+    counts = regenerate_dataset(
+        model, tokenizer, cfg, args.out, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, limit=args.limit, seed=args.seed,
+    )
+    print(json.dumps(counts, indent=2))
+    print(f"wrote {counts['rows_written']} rows to {args.out}")
+    return counts
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Runtime correctness on tiny random models: greedy identity, batching, stop rules, exact acceptance."""
+
+import pytest
+import torch
+
+from infer.generate import Proposer, SpecConfig, generate_speculative, generate_vanilla
+from infer.proposers import DraftModelProposer, PromptLookupProposer
+from infer.sampling import SamplingParams
+from infer.tree import DraftTree, chain
+from infer.tree_search import DynamicTreeConfig
+
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [11, 3],
+    [40, 41, 42, 43, 44, 45, 46, 40, 41, 42, 43, 44, 45, 46, 40, 41, 42],
+    [9],
+]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_vanilla_matches_hf_generate(tiny_target):
+    for p in PROMPTS:
+        res = generate_vanilla(tiny_target, [p], GREEDY)
+        assert res.tokens[0] == hf_greedy(tiny_target.model, p, GREEDY.max_new_tokens)
+        assert res.stats.tau == 1.0
+
+
+def test_vanilla_batch_equals_single_rows(tiny_target):
+    singles = [generate_vanilla(tiny_target, [p], GREEDY).tokens[0] for p in PROMPTS]
+    batch = generate_vanilla(tiny_target, PROMPTS, GREEDY).tokens
+    assert batch == singles
+
+
+PROPOSERS = {
+    "lookup-chain": lambda t, d: PromptLookupProposer(num_draft=5),
+    "lookup-tree": lambda t, d: PromptLookupProposer(num_draft=4, num_candidates=3),
+    "draft-chain": lambda t, d: DraftModelProposer(d, k=3),
+    "draft-static-tree": lambda t, d: DraftModelProposer(d, static_paths=[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]),
+    "draft-dynamic-tree": lambda t, d: DraftModelProposer(d, tree=DynamicTreeConfig(top_k=3, depth=4, total_tokens=10)),
+    "self-draft-chain": lambda t, d: DraftModelProposer(t.model, k=4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROPOSERS))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_speculative_greedy_is_token_identical(tiny_target, tiny_draft, name, batch):
+    prompts = PROMPTS[:batch]
+    expected = [generate_vanilla(tiny_target, [p], GREEDY).tokens[0] for p in prompts]
+    res = generate_speculative(tiny_target, PROPOSERS[name](tiny_target, tiny_draft), prompts, GREEDY)
+    assert res.tokens == expected
+    assert res.stats.tau >= 1.0
+
+
+def test_self_draft_accepts_everything(tiny_target):
+    """The target drafting for itself at T=0: every draft is accepted, so τ = k + 1 until the budget."""
+    k = 4
+    params = SamplingParams(temperature=0.0, max_new_tokens=25)  # 5 rounds x 5 tokens exactly
+    res = generate_speculative(tiny_target, DraftModelProposer(tiny_target.model, k=k), [PROMPTS[0]], params)
+    assert res.stats.rounds == 5
+    assert res.stats.tau == pytest.approx(5.0)
+    assert res.stats.alpha == [1.0] * k
+    assert res.stats.accepted_per_round == [k] * 5
+
+
+class OracleProposer(Proposer):
+    """Drafts the known greedy continuation, corrupting the draft at a fixed depth."""
+
+    def __init__(self, reference: list[int], prompt_len: int, k: int, wrong_at: int | None):
+        self.reference, self.prompt_len, self.k, self.wrong_at = reference, prompt_len, k, wrong_at
+
+    def propose(self, contexts, params, generator):
+        done = len(contexts[0]) - self.prompt_len
+        draft = self.reference[done : done + self.k]
+        draft += [0] * (self.k - len(draft))
+        if self.wrong_at is not None:
+            draft[self.wrong_at] = (draft[self.wrong_at] + 1) % 97
+        return chain(torch.tensor([[contexts[0][-1], *draft]]))
+
+
+@pytest.mark.parametrize("wrong_at", [0, 1, 2])
+def test_oracle_acceptance_is_exact(tiny_target, wrong_at):
+    p = PROMPTS[1]
+    params = SamplingParams(temperature=0.0, max_new_tokens=30)
+    reference = generate_vanilla(tiny_target, [p], SamplingParams(max_new_tokens=40)).tokens[0]
+    res = generate_speculative(tiny_target, OracleProposer(reference, len(p), 4, wrong_at), [p], params)
+    assert res.tokens[0] == reference[:30]
+    # drafts before the corrupted one are accepted, the bonus replaces it: wrong_at + 1 tokens a round
+    assert set(res.stats.accepted_per_round) == {wrong_at}
+    assert res.stats.tau == pytest.approx(30 / res.stats.rounds)
+    assert res.stats.rounds == -(-30 // (wrong_at + 1))
+
+
+def test_stop_token_inside_accepted_run(tiny_target):
+    p = PROMPTS[1]
+    reference = generate_vanilla(tiny_target, [p], SamplingParams(max_new_tokens=20)).tokens[0]
+    stop = reference[6]
+    first = reference.index(stop)
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=(stop,))
+    for proposer in (DraftModelProposer(tiny_target.model, k=5), OracleProposer(reference, len(p), 5, None)):
+        res = generate_speculative(tiny_target, proposer, [p], params)
+        assert res.tokens[0] == reference[: first + 1]
+    van = generate_vanilla(tiny_target, [p], params)
+    assert van.tokens[0] == reference[: first + 1]
+
+
+@pytest.mark.parametrize("budget", [1, 2, 7])
+def test_max_new_tokens_never_exceeded(tiny_target, budget):
+    params = SamplingParams(temperature=0.0, max_new_tokens=budget)
+    res = generate_speculative(tiny_target, DraftModelProposer(tiny_target.model, k=5), PROMPTS, params)
+    assert [len(t) for t in res.tokens] == [budget] * len(PROMPTS)
+
+
+def test_sampling_rows_are_reproducible_and_in_vocab(tiny_target, tiny_draft):
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, max_new_tokens=16, seed=3)
+    a = generate_speculative(tiny_target, DraftModelProposer(tiny_draft, k=3), PROMPTS, params)
+    b = generate_speculative(tiny_target, DraftModelProposer(tiny_draft, k=3), PROMPTS, params)
+    assert a.tokens == b.tokens
+    assert all(len(t) == 16 and all(0 <= x < 97 for x in t) for t in a.tokens)
+
+
+def test_typical_acceptance_runs_and_is_labelled(tiny_target):
+    res = generate_speculative(
+        tiny_target, DraftModelProposer(tiny_target.model, k=3), [PROMPTS[0]],
+        SamplingParams(temperature=0.7, max_new_tokens=12, seed=0), spec=SpecConfig(accept="typical"),
+    )
+    assert len(res.tokens[0]) == 12
+    with pytest.raises(ValueError, match="typical"):
+        SpecConfig(accept="lossy-thing")
+
+
+def test_bad_tree_is_rejected():
+    with pytest.raises(ValueError, match="parent"):
+        DraftTree(torch.tensor([[1, 2]]), torch.tensor([[-1, 1]]), torch.ones(1, 2, dtype=torch.bool))

@@ -1,0 +1,643 @@
+"""Training data: chat or raw text → ``input_ids`` + ``loss_mask``, with counted skips.
+
+Formats (auto-detected by column): ShareGPT (``conversations``: list of ``{from, value}``), OpenAI
+``messages`` (list of ``{role, content}``) and raw ``text``. Everything goes through one public entry,
+:func:`build_dataset`, which returns the tokenised dataset and a summary of what was kept, truncated
+and skipped (by reason). Rows are never repaired by guesswork: a row that cannot be masked exactly is
+skipped and counted.
+
+Loss-mask convention: ``loss_mask[t] == 1`` means token ``t`` is a training *target* (the logits at
+``t - 1`` should predict it); the shift is the consumer's job. For chat rows the mask is 1 exactly on
+the assistant contents plus the end-of-turn token the template writes right after them (the model must
+learn to stop), and 0 on system/user turns and template text. For raw text every token is a target.
+
+Finding the assistant spans. Both methods produce *character* spans in the rendered conversation;
+the text is then tokenised segment by segment, cut at the span edges, so no token straddles an edge:
+
+- ``generation``: the template wraps assistant text in ``{% generation %}…{% endgeneration %}``
+  (the reference target's does). The spans are the ones transformers' renderer records for
+  ``apply_chat_template(..., return_assistant_tokens_mask=True)``; we read the character spans from
+  that renderer instead of its token mask because the token mask marks every token that *overlaps* a
+  span, so when byte-level BPE merges the template's newline with a newline that opens the content,
+  the merged token (half template) is marked as assistant.
+- ``diff`` (templates without markers: Llama-3, Qwen, ...): for assistant turn i, render turns < i
+  with the generation prompt and turns ≤ i without it; the second must start with the first, and the
+  difference is the turn (content, then end-of-turn text). The content is located in that difference
+  (as given, or stripped when the template trims it), and the span is extended through the first
+  special token that follows it after at most whitespace (``<|eot_id|>``, ``<|im_end|>``, ``<|end|>``).
+  Text prefixes are diffed rather than token prefixes because the tokens of a prefix are not a prefix
+  of the tokens of the whole when BPE merges across the cut. Limits: templates whose rendering of
+  earlier turns changes once later turns exist (e.g. ones that drop reasoning from history) fail the
+  prefix test and those rows are skipped as ``span_not_found``; an end-of-turn marker that is not a
+  special token is not included in the span; content that also occurs inside the turn header would
+  be found there first.
+
+Segment-wise tokenisation is also what the target sees at inference: the prompt (ending with the
+generation prompt) is tokenised on its own and the model then emits the content tokens. A training
+sequence therefore can differ from ``tokenizer(rendered_text)`` at span edges; decoding the masked
+tokens of a turn gives back exactly its content and end-of-turn text.
+
+Packing (opt-in): consecutive samples are concatenated into rows of at most ``max_length`` tokens
+within map batches of 1000 samples; sample boundaries are kept in ``position_ids``, which restart at 0
+for every sample. The first token of every packed sample gets ``loss_mask = 0`` (it would otherwise be
+trained as a continuation of the previous sample); attention must stay inside a sample, see
+:func:`packed_attention_mask`.
+
+Caching: every step is a ``datasets`` map/filter over a dataset loaded through ``load_dataset``, so
+results are fingerprinted (function code + arguments, tokenizer included) and a second run with the
+same inputs reads the cache files instead of recomputing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import jinja2
+import torch
+
+FORMATS = ("auto", "sharegpt", "messages", "text")
+SPAN_METHODS = ("auto", "generation", "diff")
+SKIP_REASONS = (
+    "missing_field",  # conversations/messages/text absent or not a list/str, a message without role or content
+    "unknown_role",  # a role outside system/user/assistant (ShareGPT: system/human/user/gpt/assistant)
+    "empty_conversation",
+    "empty_assistant_turn",  # an assistant turn with no non-whitespace content
+    "no_assistant_turn",
+    "empty_text",  # raw text that is empty or whitespace
+    "template_error",  # the chat template raised (e.g. roles must alternate)
+    "span_not_found",  # diff method: prefix test failed or content not found in the rendering
+    "over_length",  # truncation to max_length would remove every loss token
+)
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+CHAT_ROLES = ("system", "user", "assistant")
+_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+PACK_BATCH_SIZE = 1000
+
+
+@dataclass
+class DataConfig:
+    path: str
+    """Local .json/.jsonl/.parquet file, a directory of such files (one kind), or a hub dataset name."""
+    split: str = "train"
+    """Split to read (for local files it only names the split the files are loaded into)."""
+    format: str = "auto"
+    """'sharegpt', 'messages', 'text', or 'auto' (by column: messages, then conversations, then text)."""
+    max_length: int = 2048
+    """Samples are truncated to this many tokens; a sample left with no loss token is skipped."""
+    packing: bool = False
+    """Concatenate samples into rows of at most max_length tokens (position_ids restart per sample)."""
+    num_proc: int = 1
+    """Worker processes for tokenisation (datasets.map)."""
+    cache_dir: str | None = None
+    """datasets cache directory (None: the datasets default, ~/.cache/huggingface/datasets)."""
+    loss_on_all_tokens_for_text: bool = True
+    """Raw text: every token is a target, BOS/EOS included; False leaves the added BOS/EOS out of the loss."""
+    span_method: str = "auto"
+    """How to find assistant spans: 'generation' (template markers), 'diff' (turn-by-turn rendering), or
+    'auto' (generation when the template has {% generation %} markers, else diff)."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("path must name a file, a directory or a hub dataset")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
+        if self.span_method not in SPAN_METHODS:
+            raise ValueError(f"span_method must be one of {SPAN_METHODS}, got {self.span_method!r}")
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        if self.num_proc < 1:
+            raise ValueError(f"num_proc must be >= 1, got {self.num_proc}")
+
+
+# --------------------------------------------------------------------------- loading
+def load_raw(cfg: DataConfig) -> datasets.Dataset:
+    """The untokenised rows, through ``load_dataset`` (json/parquet builders for local paths)."""
+    path = Path(cfg.path)
+    if not path.exists():
+        return datasets.load_dataset(cfg.path, split=cfg.split, cache_dir=cfg.cache_dir)
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in _LOCAL_BUILDERS)
+    builders = {_LOCAL_BUILDERS.get(p.suffix) for p in files}
+    if len(builders) != 1 or None in builders:
+        raise ValueError(f"{cfg.path}: expected .json/.jsonl or .parquet files of one kind, found {files[:5]}")
+    return datasets.load_dataset(
+        builders.pop(), data_files={cfg.split: [str(p) for p in files]}, split=cfg.split, cache_dir=cfg.cache_dir
+    )
+
+
+def detect_format(columns: list[str], requested: str = "auto") -> str:
+    if requested != "auto":
+        required = {"sharegpt": "conversations", "messages": "messages", "text": "text"}[requested]
+        if required not in columns:
+            raise ValueError(f"format {requested!r} needs a {required!r} column; columns are {columns}")
+        return requested
+    for column, fmt in (("messages", "messages"), ("conversations", "sharegpt"), ("text", "text")):
+        if column in columns:
+            return fmt
+    raise ValueError(f"cannot detect the format: no messages/conversations/text column in {columns}")
+
+
+def normalize_conversation(row: dict, fmt: str) -> tuple[list[dict] | None, str]:
+    """``(messages, "")`` with roles in system/user/assistant, or ``(None, skip_reason)``.
+
+    Trailing non-assistant turns are dropped: they come after the last loss token and carry no signal.
+    """
+    key, role_key, content_key = ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
+    turns = row.get(key)
+    if not isinstance(turns, list):
+        return None, "missing_field"
+    if not turns:
+        return None, "empty_conversation"
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict) or not isinstance(turn.get(role_key), str) or not isinstance(turn.get(content_key), str):
+            return None, "missing_field"
+        role = turn[role_key].lower()
+        role = SHAREGPT_ROLES.get(role) if fmt == "sharegpt" else (role if role in CHAT_ROLES else None)
+        if role is None:
+            return None, "unknown_role"
+        if role == "assistant" and not turn[content_key].strip():
+            return None, "empty_assistant_turn"
+        messages.append({"role": role, "content": turn[content_key]})
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    if last < 0:
+        return None, "no_assistant_turn"
+    return messages[: last + 1], ""
+
+
+# --------------------------------------------------------------------------- assistant spans
+class SpanError(ValueError):
+    """The diff method could not locate an assistant turn exactly."""
+
+
+def has_generation_markers(chat_template: str | None) -> bool:
+    return bool(chat_template) and _GENERATION_TAG.search(chat_template) is not None
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def generation_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Rendered text and the character spans of its ``{% generation %}`` blocks.
+
+    Uses the renderer behind ``apply_chat_template(return_assistant_tokens_mask=True)`` with the same
+    template variables (the special tokens), so the text is identical to ``render``.
+    """
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, spans = render_jinja_template(
+        conversations=[messages],
+        chat_template=tokenizer.get_chat_template(),
+        return_assistant_tokens_mask=True,
+        **tokenizer.special_tokens_map,
+    )
+    return rendered[0], [(s, e) for s, e in spans[0] if e > s]
+
+
+def _special_token_strings(tokenizer) -> list[str]:
+    return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+
+
+def _end_of_turn_length(tail: str, special_tokens: list[str]) -> int:
+    """Characters of ``tail`` up to and including its first special token, if only whitespace precedes it."""
+    hits = [(tail.find(tok), -len(tok)) for tok in special_tokens if tail.find(tok) >= 0]
+    if not hits:
+        return 0
+    start, neg_len = min(hits)  # earliest token; the longest one when two start at the same place
+    return start - neg_len if not tail[:start].strip() else 0
+
+
+def diff_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Rendered text and assistant spans (content + end-of-turn) found by rendering turn by turn."""
+    text = render(tokenizer, messages)
+    special = _special_token_strings(tokenizer)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        full = render(tokenizer, messages[: i + 1])
+        if not full.startswith(prompt) or not text.startswith(full):
+            raise SpanError(f"turn {i}: the rendering of earlier turns changes when later turns are added")
+        delta = full[len(prompt) :]
+        content = message["content"]
+        start = delta.find(content)
+        if start < 0:  # templates such as Llama-3's trim the content
+            content = content.strip()
+            start = delta.find(content)
+        if start < 0:
+            raise SpanError(f"turn {i}: assistant content not found in its rendering")
+        end = start + len(content)
+        end += _end_of_turn_length(delta[end:], special)
+        spans.append((len(prompt) + start, len(prompt) + end))
+    return text, spans
+
+
+def tokenize_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Tokenise ``text`` piece by piece, cut at the span edges; mask 1 on tokens inside spans."""
+    ids: list[int] = []
+    mask: list[int] = []
+    cursor = 0
+    for start, end in [*spans, (len(text), len(text))]:
+        for piece, flag in ((text[cursor:start], 0), (text[start:end], 1)):
+            if piece:
+                piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+                ids += piece_ids
+                mask += [flag] * len(piece_ids)
+        cursor = end
+    return ids, mask
+
+
+def resolve_span_method(tokenizer, requested: str = "auto") -> str:
+    if requested == "auto":
+        return "generation" if has_generation_markers(tokenizer.get_chat_template()) else "diff"
+    if requested == "generation" and not has_generation_markers(tokenizer.get_chat_template()):
+        raise ValueError("span_method='generation' needs a chat template with {% generation %} markers")
+    return requested
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], span_method: str) -> tuple[list[int], list[int]]:
+    text, spans = (generation_spans if span_method == "generation" else diff_spans)(tokenizer, messages)
+    return tokenize_spans(tokenizer, text, spans)
+
+
+# --------------------------------------------------------------------------- rows
+def _tokenize_row(
+    row: dict, tokenizer, fmt: str, span_method: str, max_length: int, loss_on_all_tokens_for_text: bool
+) -> dict[str, Any]:
+    """One raw row → ids, mask and a skip reason ("" when kept). Runs inside ``datasets.map``."""
+    skipped = {"input_ids": [], "loss_mask": [], "truncated": False, "length": 0, "n_loss": 0}
+    if fmt == "text":
+        text = row.get("text")
+        if not isinstance(text, str):
+            return {**skipped, "skip_reason": "missing_field"}
+        if not text.strip():
+            return {**skipped, "skip_reason": "empty_text"}
+        # bos + text + eos, the layout of the reference target's pretraining stream
+        head = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        tail = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids = head + tokenizer(text, add_special_tokens=False)["input_ids"] + tail
+        edge = 1 if loss_on_all_tokens_for_text else 0
+        mask = [edge] * len(head) + [1] * (len(ids) - len(head) - len(tail)) + [edge] * len(tail)
+    else:
+        messages, reason = normalize_conversation(row, fmt)
+        if messages is None:
+            return {**skipped, "skip_reason": reason}
+        try:
+            ids, mask = tokenize_conversation(tokenizer, messages, span_method)
+        except SpanError:
+            return {**skipped, "skip_reason": "span_not_found"}
+        except jinja2.TemplateError:  # the template's raise_exception(...), e.g. roles must alternate
+            return {**skipped, "skip_reason": "template_error"}
+    truncated = len(ids) > max_length
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        return {**skipped, "skip_reason": "over_length"}
+    return {
+        "input_ids": ids, "loss_mask": mask, "truncated": truncated, "length": len(ids), "n_loss": sum(mask),
+        "skip_reason": "",
+    }
+
+
+def _pack(batch: dict[str, list], max_length: int) -> dict[str, list]:
+    """Greedy, order-preserving packing of one map batch into rows of at most ``max_length`` tokens."""
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "position_ids": []}
+    ids: list[int] = []
+    mask: list[int] = []
+    pos: list[int] = []
+    for sample_ids, sample_mask in zip(batch["input_ids"], batch["loss_mask"]):
+        if ids and len(ids) + len(sample_ids) > max_length:
+            rows["input_ids"].append(ids)
+            rows["loss_mask"].append(mask)
+            rows["position_ids"].append(pos)
+            ids, mask, pos = [], [], []
+        ids.extend(sample_ids)
+        mask.extend([0, *sample_mask[1:]])  # the first token has no in-sample predecessor
+        pos.extend(range(len(sample_ids)))
+    if ids:
+        rows["input_ids"].append(ids)
+        rows["loss_mask"].append(mask)
+        rows["position_ids"].append(pos)
+    return rows
+
+
+def build_dataset(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, dict]:
+    """Tokenised dataset (``input_ids``, ``loss_mask``, plus ``position_ids`` when packed) and a summary.
+
+    The summary holds: format, span_method, rows read, samples kept, truncated, skipped (every reason
+    in :data:`SKIP_REASONS`, zeros included), tokens and loss tokens of the kept samples, and (packed)
+    the number of packed rows.
+    """
+    raw = load_raw(cfg)
+    fmt = detect_format(raw.column_names, cfg.format)
+    span_method = "text" if fmt == "text" else resolve_span_method(tokenizer, cfg.span_method)
+    features = datasets.Features(
+        {
+            "input_ids": datasets.List(datasets.Value("int32")),
+            "loss_mask": datasets.List(datasets.Value("int8")),
+            "truncated": datasets.Value("bool"),
+            "length": datasets.Value("int32"),
+            "n_loss": datasets.Value("int32"),
+            "skip_reason": datasets.Value("string"),
+        }
+    )
+    tokenized = raw.map(
+        _tokenize_row,
+        fn_kwargs={
+            "tokenizer": tokenizer, "fmt": fmt, "span_method": span_method, "max_length": cfg.max_length,
+            "loss_on_all_tokens_for_text": cfg.loss_on_all_tokens_for_text,
+        },
+        remove_columns=raw.column_names,
+        features=features,
+        num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+        desc=f"tokenize ({fmt}, {span_method})",
+    )
+    reasons = Counter(tokenized["skip_reason"])
+    kept = tokenized.filter(lambda reason: reason == "", input_columns="skip_reason", desc="drop skipped rows")
+    summary = {
+        "format": fmt,
+        "span_method": span_method,
+        "rows": len(raw),
+        "kept": len(kept),
+        "truncated": sum(kept["truncated"]),
+        "skipped": {reason: reasons.get(reason, 0) for reason in SKIP_REASONS},
+        "tokens": sum(kept["length"]),
+        "loss_tokens": sum(kept["n_loss"]),
+    }
+    dataset = kept.remove_columns(["truncated", "length", "n_loss", "skip_reason"])
+    if cfg.packing:
+        dataset = dataset.map(
+            _pack,
+            fn_kwargs={"max_length": cfg.max_length},
+            batched=True,
+            batch_size=PACK_BATCH_SIZE,
+            remove_columns=dataset.column_names,
+            features=datasets.Features(
+                {
+                    "input_ids": datasets.List(datasets.Value("int32")),
+                    "loss_mask": datasets.List(datasets.Value("int8")),
+                    "position_ids": datasets.List(datasets.Value("int32")),
+                }
+            ),
+            desc="pack",
+        )
+        summary["packed_rows"] = len(dataset)
+    return dataset, summary
+
+
+def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a list of samples: ``input_ids`` (pad_id), ``attention_mask`` and ``loss_mask`` (0 on pads),
+    and ``position_ids`` (0 on pads) when the samples are packed. All ``[B, T]`` int64 / bool-like int."""
+    width = max(len(sample["input_ids"]) for sample in batch)
+    keys = ["input_ids", "loss_mask"] + (["position_ids"] if "position_ids" in batch[0] else [])
+    out = {key: torch.zeros(len(batch), width, dtype=torch.long) for key in keys}
+    out["input_ids"].fill_(pad_id)
+    out["attention_mask"] = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, sample in enumerate(batch):
+        n = len(sample["input_ids"])
+        for key in keys:
+            out[key][i, :n] = torch.as_tensor(sample[key], dtype=torch.long)
+        out["attention_mask"][i, :n] = 1
+    return out
+
+
+def packed_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask ``[B, 1, T, T]`` (True = may attend) from per-sample ``position_ids [B, T]``.
+
+    A new sample starts wherever the position is 0, so each padding position (0 from :func:`collate`)
+    is its own one-token sample and never attends to real tokens.
+    """
+    segment = (position_ids == 0).cumsum(-1)
+    same = segment[:, :, None] == segment[:, None, :]
+    causal = torch.ones(position_ids.shape[-1], position_ids.shape[-1], dtype=torch.bool).tril()
+    return (same & causal)[:, None]
+
+
+# --------------------------------------------------------------------------- reference target samples
+def _write_jsonl_atomic(rows: list[dict], path: Path) -> None:
+    """Write to ``<path>.tmp`` then rename, so a reader never sees a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    os.replace(tmp, path)
+
+
+def _line_ends(text: str) -> list[int]:
+    """Character positions where lines start, plus ``len(text)``: the allowed cut points."""
+    cuts = [0] + [m.end() for m in re.finditer("\n", text)]
+    return cuts if cuts[-1] == len(text) else [*cuts, len(text)]
+
+
+def _extend(cuts: list[int], token_starts: list[int], i: int, budget: int) -> int:
+    """Largest line index ``j >= i`` with about ``budget`` tokens or fewer between cuts ``i`` and ``j``."""
+    j = i
+    while j + 1 < len(cuts) and (
+        bisect.bisect_left(token_starts, cuts[j + 1]) - bisect.bisect_left(token_starts, cuts[i]) <= budget
+    ):
+        j += 1
+    return j
+
+
+def build_stdlib_samples(
+    tokenizer,
+    split: str = "train",
+    *,
+    out_dir: str | Path,
+    files: list | None = None,
+    max_files: int | None = None,
+    chunk_tokens: int = 512,
+    prompt_tokens: int = 64,
+    continuation_tokens: int = 128,
+    samples_per_file: int = 2,
+) -> dict:
+    """Write the reference target's corpus as raw-text and chat samples (jsonl) for one split.
+
+    - ``stdlib_<split>_text.jsonl``: ``{"text", "source"}``, each file cut at line starts into chunks of
+      at most ~``chunk_tokens`` tokens (so truncation does not throw away the rest of a long file; a
+      single longer line stays whole and is truncated later).
+    - ``stdlib_<split>_chat.jsonl``: ``{"messages", "source"}``: user = whole lines of source, at most
+      ~``prompt_tokens`` tokens (at least half of that); assistant = the true next lines, at most
+      ~``continuation_tokens`` tokens; ``samples_per_file`` cuts per file at evenly spaced lines.
+
+    Cuts are made at line starts in the text, not at token boundaries: byte-level BPE glues a newline
+    to the next line's indentation, so token boundaries rarely fall at line starts. Token counts come
+    from the whole file's tokenisation (tokens starting between two cuts), hence "about".
+    ``files`` (``train.stdlib_corpus.SourceFile``s) replaces the stdlib walk; otherwise the split comes
+    from ``train.stdlib_corpus`` (path hash). Returns the paths and counts.
+    """
+    from train.stdlib_corpus import split_files, stdlib_files
+
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    if files is None:
+        train_files, heldout_files = split_files(stdlib_files()[0])
+        files = train_files if split == "train" else heldout_files
+    files = files[:max_files] if max_files is not None else files
+    text_rows, chat_rows = [], []
+    for f in files:
+        token_starts = [s for s, _ in tokenizer(f.text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+        cuts = _line_ends(f.text)
+        i = 0
+        while i < len(cuts) - 1:
+            j = max(i + 1, _extend(cuts, token_starts, i, chunk_tokens))
+            if f.text[cuts[i] : cuts[j]].strip():
+                text_rows.append({"text": f.text[cuts[i] : cuts[j]], "source": f.relpath})
+            i = j
+        for k in range(1, samples_per_file + 1):
+            a = (len(cuts) - 1) * k // (samples_per_file + 1)
+            b = _extend(cuts, token_starts, a, prompt_tokens)
+            c = _extend(cuts, token_starts, b, continuation_tokens)
+            prompt, continuation = f.text[cuts[a] : cuts[b]], f.text[cuts[b] : cuts[c]]
+            n_prompt = bisect.bisect_left(token_starts, cuts[b]) - bisect.bisect_left(token_starts, cuts[a])
+            if n_prompt < prompt_tokens // 2 or not prompt.strip() or not continuation.strip():
+                continue
+            chat_rows.append(
+                {
+                    "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": continuation}],
+                    "source": f.relpath,
+                }
+            )
+    out_dir = Path(out_dir)
+    text_path, chat_path = out_dir / f"stdlib_{split}_text.jsonl", out_dir / f"stdlib_{split}_chat.jsonl"
+    _write_jsonl_atomic(text_rows, text_path)
+    _write_jsonl_atomic(chat_rows, chat_path)
+    return {
+        "text_path": str(text_path), "chat_path": str(chat_path), "files": len(files),
+        "text_rows": len(text_rows), "chat_rows": len(chat_rows),
+    }
+
+
+# --------------------------------------------------------------------------- self-distillation
+def end_of_turn_token_ids(tokenizer) -> list[int]:
+    """The special token(s) the chat template writes right after assistant content, found by the diff method."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    text, spans = diff_spans(tokenizer, probe)
+    start, end = spans[-1]
+    turn_end = text[start:end][text[start:end].find("Hello") + len("Hello") :].strip()
+    return [tokenizer.convert_tokens_to_ids(turn_end)] if turn_end else []
+
+
+def regenerate_dataset(
+    model,
+    tokenizer,
+    cfg: DataConfig,
+    out_path: str | Path,
+    *,
+    temperature: float = 0.0,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    limit: int | None = None,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> dict:
+    """Replace every assistant turn with the target's own answer; write a ``messages`` jsonl atomically.
+
+    Turns are regenerated in order: turn k is generated from the original system/user turns and the
+    *regenerated* turns < k. Prompts are batched with left padding. Generation stops at EOS or the
+    template's end-of-turn token; special tokens are dropped from the decoded text so control tokens
+    never leak into content. A turn that comes out empty, or whose prompt plus ``max_new_tokens``
+    exceeds ``cfg.max_length``, ends the conversation before it (the row is kept when it still has a
+    regenerated assistant turn, else skipped). Turns that hit ``max_new_tokens`` are kept (counted):
+    the template will close them with an end-of-turn token the target did not emit.
+    """
+    from tqdm.auto import tqdm
+
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    raw = load_raw(cfg)
+    fmt = detect_format(raw.column_names, cfg.format)
+    if fmt == "text":
+        raise ValueError("regeneration needs chat data (messages or sharegpt), got raw text")
+    if render(tokenizer, [{"role": "user", "content": "x"}], True) == render(tokenizer, [{"role": "user", "content": "x"}]):
+        raise ValueError("the chat template ignores add_generation_prompt; cannot prompt the target for a turn")
+    if limit is not None:
+        raw = raw.select(range(min(limit, len(raw))))
+    skipped = Counter({reason: 0 for reason in (*SKIP_REASONS[:5], "empty_generation", "prompt_too_long")})
+    conversations = []
+    for row in raw:
+        messages, reason = normalize_conversation(row, fmt)
+        if messages is None:
+            skipped[reason] += 1
+        else:
+            conversations.append(messages)
+
+    eos = model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+    stop_ids = sorted({t for t in [*eos, tokenizer.eos_token_id, *end_of_turn_token_ids(tokenizer)] if t is not None})
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
+        "do_sample": False
+    }
+    torch.manual_seed(seed)
+    model.eval()
+    counts = Counter(turns_regenerated=0, turns_hit_max_new_tokens=0, rows_cut_short=0)
+    written = []
+    bar = tqdm(total=len(conversations), desc="regenerate", disable=not show_progress)
+    for b in range(0, len(conversations), batch_size):
+        # per conversation: the original turns, the rebuilt list, and the index of the next original turn
+        states = [{"source": m, "new": [], "next": 0, "active": True} for m in conversations[b : b + batch_size]]
+        while True:
+            prompts = []
+            for state in states:
+                if not state["active"]:
+                    continue
+                source = state["source"]
+                while state["next"] < len(source) and source[state["next"]]["role"] != "assistant":
+                    state["new"].append(source[state["next"]])
+                    state["next"] += 1
+                if state["next"] == len(source):
+                    state["active"] = False
+                    continue
+                ids = tokenizer(render(tokenizer, state["new"], True), add_special_tokens=False)["input_ids"]
+                if len(ids) + max_new_tokens > cfg.max_length:
+                    _stop(state, "prompt_too_long", skipped, counts)
+                    continue
+                prompts.append((state, ids))
+            if not prompts:
+                break
+            width = max(len(ids) for _, ids in prompts)
+            input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for _, ids in prompts], device=model.device)
+            attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in prompts], device=model.device)
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                    eos_token_id=stop_ids, pad_token_id=pad_id, **sampling,
+                )
+            for (state, _), generated in zip(prompts, out[:, width:].tolist()):
+                stop_at = next((k for k, t in enumerate(generated) if t in stop_ids), None)
+                if stop_at is None:
+                    counts["turns_hit_max_new_tokens"] += 1
+                text = tokenizer.decode(generated[:stop_at], skip_special_tokens=True)
+                if not text.strip():
+                    _stop(state, "empty_generation", skipped, counts)
+                    continue
+                state["new"].append({"role": "assistant", "content": text})
+                state["next"] += 1
+                counts["turns_regenerated"] += 1
+        for state in states:
+            if any(m["role"] == "assistant" for m in state["new"]):
+                last = max(i for i, m in enumerate(state["new"]) if m["role"] == "assistant")
+                written.append({"messages": state["new"][: last + 1]})
+        bar.update(len(states))
+    bar.close()
+    _write_jsonl_atomic(written, Path(out_path))
+    return {"rows_read": len(raw), "rows_written": len(written), **counts, "skipped": dict(skipped)}
+
+
+def _stop(state: dict, reason: str, skipped: Counter, counts: Counter) -> None:
+    """End a conversation before its current turn; count it as cut short or, with nothing left, skipped."""
+    state["active"] = False
+    if any(m["role"] == "assistant" for m in state["new"]):
+        counts["rows_cut_short"] += 1
+    else:
+        skipped[reason] += 1

@@ -36,10 +36,13 @@ from train.stdlib_corpus import (  # noqa: E402
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 # One template for every chat code path. The {% generation %} markers let transformers return the
-# assistant mask directly; train/data.py also handles templates without them.
+# assistant mask directly; train/data.py also handles templates without them. The newline after an
+# assistant turn is an expression because transformers renders with trim_blocks, which would eat a
+# literal newline right after {% endgeneration %}.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}<|assistant|>\n{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}\n"
+    "{% if message['role'] == 'assistant' %}<|assistant|>\n{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}"
+    "{{ '\\n' }}"
     "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

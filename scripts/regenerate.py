@@ -44,8 +44,15 @@ def main(argv: list[str] | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(device)
     cfg = DataConfig(path=args.data, split=args.split, format=args.format, max_length=args.max_length)
     counts = regenerate_dataset(
-        model, tokenizer, cfg, args.out, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, limit=args.limit, seed=args.seed,
+        model,
+        tokenizer,
+        cfg,
+        args.out,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        seed=args.seed,
     )
     print(json.dumps(counts, indent=2))
     print(f"wrote {counts['rows_written']} rows to {args.out}")

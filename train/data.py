@@ -150,7 +150,9 @@ def normalize_conversation(row: dict, fmt: str) -> tuple[list[dict] | None, str]
 
     Trailing non-assistant turns are dropped: they come after the last loss token and carry no signal.
     """
-    key, role_key, content_key = ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
+    key, role_key, content_key = (
+        ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
+    )
     turns = row.get(key)
     if not isinstance(turns, list):
         return None, "missing_field"
@@ -158,7 +160,11 @@ def normalize_conversation(row: dict, fmt: str) -> tuple[list[dict] | None, str]
         return None, "empty_conversation"
     messages = []
     for turn in turns:
-        if not isinstance(turn, dict) or not isinstance(turn.get(role_key), str) or not isinstance(turn.get(content_key), str):
+        if (
+            not isinstance(turn, dict)
+            or not isinstance(turn.get(role_key), str)
+            or not isinstance(turn.get(content_key), str)
+        ):
             return None, "missing_field"
         role = turn[role_key].lower()
         role = SHAREGPT_ROLES.get(role) if fmt == "sharegpt" else (role if role in CHAT_ROLES else None)
@@ -303,7 +309,11 @@ def _tokenize_row(
     if not any(mask):
         return {**skipped, "skip_reason": "over_length"}
     return {
-        "input_ids": ids, "loss_mask": mask, "truncated": truncated, "length": len(ids), "n_loss": sum(mask),
+        "input_ids": ids,
+        "loss_mask": mask,
+        "truncated": truncated,
+        "length": len(ids),
+        "n_loss": sum(mask),
         "skip_reason": "",
     }
 
@@ -353,7 +363,10 @@ def build_dataset(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, dict]:
     tokenized = raw.map(
         _tokenize_row,
         fn_kwargs={
-            "tokenizer": tokenizer, "fmt": fmt, "span_method": span_method, "max_length": cfg.max_length,
+            "tokenizer": tokenizer,
+            "fmt": fmt,
+            "span_method": span_method,
+            "max_length": cfg.max_length,
             "loss_on_all_tokens_for_text": cfg.loss_on_all_tokens_for_text,
         },
         remove_columns=raw.column_names,
@@ -485,7 +498,9 @@ def build_stdlib_samples(
     files = files[:max_files] if max_files is not None else files
     text_rows, chat_rows = [], []
     for f in files:
-        token_starts = [s for s, _ in tokenizer(f.text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+        token_starts = [
+            s for s, _ in tokenizer(f.text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        ]
         cuts = _line_ends(f.text)
         i = 0
         while i < len(cuts) - 1:
@@ -512,8 +527,11 @@ def build_stdlib_samples(
     _write_jsonl_atomic(text_rows, text_path)
     _write_jsonl_atomic(chat_rows, chat_path)
     return {
-        "text_path": str(text_path), "chat_path": str(chat_path), "files": len(files),
-        "text_rows": len(text_rows), "chat_rows": len(chat_rows),
+        "text_path": str(text_path),
+        "chat_path": str(chat_path),
+        "files": len(files),
+        "text_rows": len(text_rows),
+        "chat_rows": len(chat_rows),
     }
 
 
@@ -523,8 +541,8 @@ def end_of_turn_token_ids(tokenizer) -> list[int]:
     probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     text, spans = diff_spans(tokenizer, probe)
     start, end = spans[-1]
-    turn_end = text[start:end][text[start:end].find("Hello") + len("Hello") :].strip()
-    return [tokenizer.convert_tokens_to_ids(turn_end)] if turn_end else []
+    turn_end = text[start:end][text[start:end].find("Hello") + len("Hello") :]
+    return [t for t in tokenizer(turn_end, add_special_tokens=False)["input_ids"] if t in tokenizer.all_special_ids]
 
 
 def regenerate_dataset(
@@ -558,11 +576,23 @@ def regenerate_dataset(
     fmt = detect_format(raw.column_names, cfg.format)
     if fmt == "text":
         raise ValueError("regeneration needs chat data (messages or sharegpt), got raw text")
-    if render(tokenizer, [{"role": "user", "content": "x"}], True) == render(tokenizer, [{"role": "user", "content": "x"}]):
+    if render(tokenizer, [{"role": "user", "content": "x"}], True) == render(
+        tokenizer, [{"role": "user", "content": "x"}]
+    ):
         raise ValueError("the chat template ignores add_generation_prompt; cannot prompt the target for a turn")
     if limit is not None:
         raw = raw.select(range(min(limit, len(raw))))
-    skipped = Counter({reason: 0 for reason in (*SKIP_REASONS[:5], "empty_generation", "prompt_too_long")})
+    reasons = (
+        "missing_field",
+        "unknown_role",
+        "empty_conversation",
+        "empty_assistant_turn",
+        "no_assistant_turn",
+        "template_error",
+        "empty_generation",
+        "prompt_too_long",
+    )
+    skipped = Counter({reason: 0 for reason in reasons})
     conversations = []
     for row in raw:
         messages, reason = normalize_conversation(row, fmt)
@@ -575,9 +605,11 @@ def regenerate_dataset(
     eos = eos if isinstance(eos, list) else [eos]
     stop_ids = sorted({t for t in [*eos, tokenizer.eos_token_id, *end_of_turn_token_ids(tokenizer)] if t is not None})
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
-        "do_sample": False
-    }
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
     torch.manual_seed(seed)
     model.eval()
     counts = Counter(turns_regenerated=0, turns_hit_max_new_tokens=0, rows_cut_short=0)
@@ -598,7 +630,12 @@ def regenerate_dataset(
                 if state["next"] == len(source):
                     state["active"] = False
                     continue
-                ids = tokenizer(render(tokenizer, state["new"], True), add_special_tokens=False)["input_ids"]
+                try:
+                    prompt = render(tokenizer, state["new"], True)
+                except jinja2.TemplateError:
+                    _stop(state, "template_error", skipped, counts)
+                    continue
+                ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
                 if len(ids) + max_new_tokens > cfg.max_length:
                     _stop(state, "prompt_too_long", skipped, counts)
                     continue
@@ -607,11 +644,17 @@ def regenerate_dataset(
                 break
             width = max(len(ids) for _, ids in prompts)
             input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for _, ids in prompts], device=model.device)
-            attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in prompts], device=model.device)
+            attention = torch.tensor(
+                [[0] * (width - len(ids)) + [1] * len(ids) for _, ids in prompts], device=model.device
+            )
             with torch.no_grad():
                 out = model.generate(
-                    input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                    eos_token_id=stop_ids, pad_token_id=pad_id, **sampling,
+                    input_ids=input_ids,
+                    attention_mask=attention,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=stop_ids,
+                    pad_token_id=pad_id,
+                    **sampling,
                 )
             for (state, _), generated in zip(prompts, out[:, width:].tolist()):
                 stop_at = next((k for k, t in enumerate(generated) if t in stop_ids), None)

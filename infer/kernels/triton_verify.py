@@ -177,7 +177,10 @@ def _rejection_kernel(
                     s += tl.reduce(tl.maximum(rv - sub, 0.0), 0, _SUM)
                 # pass 2: write the renormalised residuals (in place when already in the workspace: each
                 # element is read and written by the same thread in the same iteration). s == 0 keeps r
-                # as it is (reference: torch.where(s > 0, res / s, r)); sq == 0 leaves q = 0.
+                # as it is (reference: torch.where(s > 0, res / s, r)); sq == 0 leaves q = 0. The divisor is
+                # 1 where the quotient is discarded, so no 0/0 is ever evaluated (numpy warns in the interpreter).
+                s_safe = tl.where(s > 0.0, s, 1.0)
+                sq_safe = tl.where(sq > 0.0, sq, 1.0)
                 for v0 in range(0, V, BLOCK_V):
                     offs = v0 + ar_v
                     mv = offs < V
@@ -189,11 +192,11 @@ def _rejection_kernel(
                                       tl.load(q_ws + offs, mask=mv & (not fresh_q), other=0.0))
                         sub = tl.where(det, tl.where(hit, 1.0, 0.0), qv)
                         qz = tl.where(hit, 0.0, qv)
-                        tl.store(q_ws + offs, tl.where(sq > 0.0, tl.math.div_rn(qz, sq), qz), mask=mv)
+                        tl.store(q_ws + offs, tl.where(sq > 0.0, tl.math.div_rn(qz, sq_safe), qz), mask=mv)
                     else:
                         sub = tl.where(hit, 1.0, 0.0)
                     res = tl.maximum(rv - sub, 0.0)
-                    tl.store(r_ws + offs, tl.where(s > 0.0, tl.math.div_rn(res, s), rv), mask=mv)
+                    tl.store(r_ws + offs, tl.where(s > 0.0, tl.math.div_rn(res, s_safe), rv), mask=mv)
                 # the next scalar loads of r_ws / q_ws may hit elements written by other threads
                 tl.debug_barrier()
                 fresh = False
@@ -203,7 +206,7 @@ def _rejection_kernel(
     # the last index with r > 0 (0 when r is all zero). The CDF is accumulated in float64, then rounded
     # to float32 like torch's CPU cumsum does.
     p_row = p_ptr + b * stride_pb + cur * stride_pn
-    total = tl.zeros([], dtype=tl.float64)
+    total = tl.full([], 0.0, tl.float64)
     last_pos = -1
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + ar_v
@@ -213,7 +216,7 @@ def _rejection_kernel(
         total += tl.reduce(rv.to(tl.float64), 0, _SUM)
         last_pos = tl.maximum(last_pos, tl.reduce(tl.where(rv > 0.0, offs, -1), 0, _MAX))
     threshold = tl.load(sample_u_ptr + row + cur) * total.to(tl.float32)
-    carry = tl.zeros([], dtype=tl.float64)
+    carry = tl.full([], 0.0, tl.float64)
     count = 0
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + ar_v

@@ -1,0 +1,217 @@
+"""EAGLE-3 proposer: chains and EAGLE-2 dynamic (or static) trees from an `Eagle3Drafter`, fed with target features.
+
+Feature contract (``infer/generate.py``): ``observe`` receives the target's aux features of the tokens that entered
+the target's cache — after prefill those of ``context[:-1]``, after every verify round those of the root and the
+accepted nodes. Feature i belongs to context token i. EAGLE-3 pairs ``(fc(f_i), embed(x_{i+1}))`` to predict
+``x_{i+2}``, so every pair needs the token after its feature, which the context holds by the next ``propose``.
+
+The drafter's own KV cache uses the runtime's slot layout: ``kv_valid[b, s]`` marks slots holding pairs of row b,
+rope positions are explicit (pair i sits at position i, a depth-d draft node at ``pairs + d - 1``, as in the
+training-time-test unroll), and holes are never attended to. Each ``propose``:
+
+1. *sync*: feeds every row's pairs not yet cached (ragged across rows: padded, masked) in one drafter forward; the
+   output of each row's last pair gives the depth-1 logits and the root's hidden state;
+2. drafts a chain (one step per depth) or a tree (``infer.tree_search``: one batched step per depth, a frontier
+   node reads its parent's output hidden state and its own token's embedding, and attends to the context pairs,
+   its expanded ancestors and itself);
+3. closes the draft slots again: only pairs built from *target* features stay valid, so the next sync replaces
+   the drafter's guesses with the target's features of whatever was accepted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infer.generate import Proposer
+from infer.sampling import SamplingParams, sample_from_probs, warp_logits
+from infer.tree import DraftTree, chain
+from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
+from models.eagle3 import Eagle3Drafter
+
+
+class Eagle3Proposer(Proposer):
+    """Chain of ``k`` drafts (default), an EAGLE-2 dynamic tree (``tree``) or a static tree (``static_paths``).
+
+    Greedy chains and trees are deterministic drafts (one-hot q for the accept rules); chains at T > 0 are sampled
+    from the drafter's warped distribution and verified with it (lossless rejection sampling).
+    """
+
+    needs_features = True
+
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        k: int = 5,
+        tree: DynamicTreeConfig | None = None,
+        static_paths: list[tuple[int, ...]] | None = None,
+    ) -> None:
+        if k < 1:
+            raise ValueError("k must be >= 1")
+        if tree is not None and static_paths is not None:
+            raise ValueError("choose a dynamic tree or static paths, not both")
+        self.drafter, self.k, self.tree, self.static_paths = drafter.eval(), k, tree, static_paths
+        self.device = drafter.fc.weight.device
+        self.dtype = drafter.fc.weight.dtype
+        self.vocab_size = drafter.config.vocab_size
+        self.draft_to_target = drafter.draft_to_target
+
+    # --- runtime hooks -----------------------------------------------------------------------------
+
+    def begin(self, contexts: list[list[int]]) -> None:
+        B = len(contexts)
+        cfg = self.drafter.config
+        self.keys = torch.zeros(B, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros_like(self.keys)
+        self.kv_valid = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
+        self.fed = [0] * B  # pairs of each row in the cache (= next pair position)
+        self.pending: list[list[torch.Tensor]] = [[] for _ in range(B)]  # observed features not yet fed
+
+    def observe(self, features: torch.Tensor, new_lengths: torch.Tensor) -> None:
+        for b, n in enumerate(new_lengths.tolist()):
+            if n:
+                self.pending[b].append(features[b, :n].to(self.dtype))
+
+    def drop_rows(self, keep: torch.Tensor) -> None:
+        keep = keep.to(self.device)
+        self.keys, self.values = self.keys.index_select(0, keep), self.values.index_select(0, keep)
+        self.kv_valid = self.kv_valid.index_select(0, keep)
+        self.fed = [self.fed[i] for i in keep.tolist()]
+        self.pending = [self.pending[i] for i in keep.tolist()]
+
+    # --- drafter calls -----------------------------------------------------------------------------
+
+    def _append(self, out, new_valid: torch.Tensor) -> None:
+        self.keys = torch.cat([self.keys, out.keys], 2)
+        self.values = torch.cat([self.values, out.values], 2)
+        self.kv_valid = torch.cat([self.kv_valid, new_valid], 1)
+
+    def _sync(self, contexts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Feed the uncached pairs. Returns root hidden [B, H], depth-1 logits [B, Vd], has_pairs [B] bool."""
+        B = len(contexts)
+        feats = [torch.cat(p) if p else None for p in self.pending]
+        counts = [0 if f is None else f.shape[0] for f in feats]
+        m = max(counts)
+        H = self.drafter.config.hidden_size
+        if m == 0:  # only happens for one-token prompts before their first round; they get no drafts
+            z = torch.zeros(B, H, dtype=self.dtype, device=self.device)
+            return z, torch.zeros(B, self.drafter.config.draft_vocab_size, device=self.device), torch.zeros(
+                B, dtype=torch.bool, device=self.device)
+        A = self.drafter.fc.in_features
+        features = torch.zeros(B, m, A, dtype=self.dtype, device=self.device)
+        tokens = torch.zeros(B, m, dtype=torch.long, device=self.device)
+        valid = torch.zeros(B, m, dtype=torch.bool, device=self.device)
+        for b, f in enumerate(feats):
+            if f is None:
+                continue
+            n, start = counts[b], self.fed[b]
+            if start + n >= len(contexts[b]):
+                raise RuntimeError(f"row {b}: features of {start + n} tokens but a context of {len(contexts[b])}")
+            features[b, :n] = f
+            tokens[b, :n] = torch.tensor(contexts[b][start + 1 : start + 1 + n], device=self.device)
+            valid[b, :n] = True
+        start = torch.tensor(self.fed, device=self.device)
+        positions = start[:, None] + torch.arange(m, device=self.device)[None]
+        causal = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()
+        # padded queries see themselves only so no softmax row is empty (their outputs are discarded)
+        new_allowed = (causal[None] & valid[:, None, :]) | torch.eye(m, dtype=torch.bool, device=self.device)[None]
+        allowed = torch.cat([self.kv_valid[:, None, :].expand(B, m, -1), new_allowed], 2)
+        out = self.drafter.step(self.drafter.project_features(features), tokens, positions, allowed, self.keys,
+                                self.values, with_logits=False)
+        self._append(out, valid)
+        self.fed = [f + n for f, n in zip(self.fed, counts)]
+        self.pending = [[] for _ in range(B)]
+        rows = torch.arange(B, device=self.device)
+        last = (torch.tensor(counts, device=self.device) - 1).clamp(min=0)
+        # a row without new pairs this round cannot happen after the first round (the root is always observed)
+        has_pairs = torch.tensor([f > 0 for f in self.fed], device=self.device)
+        hidden = out.hidden[rows, last]
+        return hidden, self.drafter.compute_logits(hidden), has_pairs
+
+    def _full_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[.., Vd] draft-vocab logits → [.., V] float32 target-vocab logits (-inf outside the draft vocab)."""
+        full = torch.full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"), device=self.device)
+        return full.index_copy_(-1, self.draft_to_target, draft_logits.float())
+
+    def _close_draft_slots(self, proposal_start: int) -> None:
+        self.kv_valid = self.kv_valid[:, :proposal_start]
+        self.keys, self.values = self.keys[:, :, :proposal_start], self.values[:, :, :proposal_start]
+        # rows sync different pair counts, so padding slots leave holes; re-pack when they dominate
+        S, used = self.kv_valid.shape[1], int(self.kv_valid.sum(1).max())
+        if S > 2 * used + 64:
+            order = torch.sort((~self.kv_valid).to(torch.int8), dim=1, stable=True).indices[:, :used]
+            idx = order[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[-1])
+            self.keys, self.values = self.keys.gather(2, idx), self.values.gather(2, idx)
+            self.kv_valid = self.kv_valid.gather(1, order)
+
+    # --- proposals ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def propose(self, contexts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> DraftTree:
+        root_hidden, root_logits, has_pairs = self._sync(contexts)
+        proposal_start = self.kv_valid.shape[1]
+        roots = torch.tensor([c[-1] for c in contexts], device=self.device)
+        if not bool(has_pairs.any()):
+            tree = chain(roots[:, None])
+        elif self.tree is not None or self.static_paths is not None:
+            tree = self._propose_tree(roots, root_hidden, root_logits)
+        else:
+            tree = self._propose_chain(roots, root_hidden, root_logits, params, generator)
+        self._close_draft_slots(proposal_start)
+        if not bool(has_pairs.all()):
+            tree.valid[~has_pairs.to(tree.valid.device), 1:] = False
+        return tree
+
+    def _propose_chain(self, roots, hidden, draft_logits, params, generator) -> DraftTree:
+        B = roots.shape[0]
+        tokens, qs = [roots], []
+        depth_pos = torch.tensor(self.fed, device=self.device)  # position of the depth-1 node
+        one = torch.ones(B, 1, 1, dtype=torch.bool, device=self.device)
+        for i in range(self.k):
+            if params.greedy:
+                # argmax in draft space: draft ids are sorted by target id, so ties resolve as over the full vocab
+                nxt = self.draft_to_target[draft_logits.argmax(-1)]
+            else:
+                q = warp_logits(self._full_vocab(draft_logits), params).softmax(-1)
+                qs.append(q)
+                nxt = sample_from_probs(q, torch.rand(B, generator=generator, device=generator.device))
+            tokens.append(nxt)
+            if i + 1 < self.k:
+                # the new node sees the row's valid pairs and, through kv_valid, the chain drafted so far
+                allowed = torch.cat([self.kv_valid[:, None, :], one], 2)
+                out = self.drafter.step(hidden[:, None], nxt[:, None], (depth_pos + i)[:, None], allowed,
+                                        self.keys, self.values)
+                self._append(out, one[:, 0])
+                hidden, draft_logits = out.hidden[:, 0], out.logits[:, 0]
+        draft_probs = torch.stack(qs + [torch.zeros_like(qs[0])], 1) if qs else None
+        return chain(torch.stack(tokens, 1), draft_probs)
+
+    def _propose_tree(self, roots, root_hidden, root_logits) -> DraftTree:
+        B = roots.shape[0]
+        start = self.kv_valid.shape[1]
+        pair_count = torch.tensor(self.fed, device=self.device)
+        expanded_hidden: list[torch.Tensor] = []  # [B, k, H] per expand call, in expansion order
+
+        def expand(frontier_tokens: torch.Tensor, frontier_depth: int, frontier_anc: torch.Tensor) -> torch.Tensor:
+            """Score frontier [B, k] at depth ``frontier_depth``; ``frontier_anc[b, i, j]``: the j-th expanded node
+            (= drafter cache slot start + j) is an ancestor of frontier node i. Returns log-probs [B, k, V]."""
+            k = frontier_tokens.shape[1]
+            if frontier_depth == 1:
+                parent_hidden = root_hidden[:, None].expand(B, k, -1)
+            else:
+                # parent = deepest expanded ancestor = the last True column (expansion order is depth order)
+                cols = torch.arange(frontier_anc.shape[2], device=self.device)
+                parent = torch.where(frontier_anc, cols, -1).max(-1).values  # [B, k]
+                every = torch.cat(expanded_hidden, 1)
+                parent_hidden = every.gather(1, parent[..., None].expand(-1, -1, every.shape[-1]))
+            own = torch.eye(k, dtype=torch.bool, device=self.device)[None].expand(B, k, k)
+            allowed = torch.cat([self.kv_valid[:, None, :start].expand(B, k, -1), frontier_anc, own], 2)
+            positions = (pair_count + frontier_depth - 1)[:, None].expand(B, k)
+            out = self.drafter.step(parent_hidden, frontier_tokens, positions, allowed, self.keys, self.values)
+            self._append(out, torch.ones(B, k, dtype=torch.bool, device=self.device))
+            expanded_hidden.append(out.hidden)
+            return self._full_vocab(out.logits).log_softmax(-1)
+
+        root_logprobs = self._full_vocab(root_logits).log_softmax(-1)
+        if self.static_paths is not None:
+            return build_static_tree(roots, root_logprobs, expand, self.static_paths)
+        return build_dynamic_tree(roots, root_logprobs, expand, self.tree)

@@ -14,8 +14,12 @@ stochastic rules) uniforms given as inputs, so the torch reference here and the 
   reaches, in sibling order. All work is vectorised over the batch B; only the loop over nodes is Python.
 
 Arithmetic is float32 throughout. The order of operations is spelled out in comments where a kernel
-must follow it to reproduce the same decisions; the only reductions over V are the row sums used to
-renormalise a residual (``torch.sum`` in float32) and the cumulative sum inside ``sample_from_probs``.
+must follow it to reproduce the same decisions. Elementwise steps are exact IEEE float32 and so
+reproducible anywhere; the only order-dependent steps are the reductions over V: the row sums that
+renormalise a residual (``torch.sum``, float32, order unspecified) and the cumulative sum inside
+``sample_from_probs`` (torch CPU accumulates it in float64). A kernel reducing in another order can
+differ in the last ulp of a normaliser, which changes a decision only when a uniform falls within
+~1e-7 (relative) of a threshold.
 """
 
 from __future__ import annotations

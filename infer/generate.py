@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from infer.accept import AcceptResult, accept_greedy, accept_rejection, accept_typical
-from infer.kernels import compact_kv
+from infer.accept import AcceptResult, accept_typical
+from infer.kernels import compact_kv, verify_greedy, verify_rejection
 from infer.sampling import SamplingParams, sample_from_probs, target_probs, warp_logits
 from infer.tree import DraftTree
 from models.target import TargetModel
@@ -369,9 +369,9 @@ def generate_speculative(
                 spec.typical_epsilon, spec.typical_delta,
             )
         elif params.greedy:
-            result = accept_greedy(tree, out.logits)
+            result = verify_greedy(tree, out.logits)
         else:
-            result = accept_rejection(
+            result = verify_rejection(
                 tree,
                 target_probs(out.logits, params),
                 torch.rand(B, n, generator=gen, device=gen.device),

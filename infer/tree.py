@@ -31,6 +31,10 @@ class DraftTree:
             raise ValueError("tokens, parents and valid must have the same [B, n] shape")
         if not bool((self.parents[:, 0] == -1).all()):
             raise ValueError("node 0 must be the root (parent -1)")
+        if not bool(self.valid[:, 0].all()):
+            raise ValueError("the root (node 0) must be valid in every row")
+        if self.draft_probs is not None and self.draft_probs.shape[:2] != self.tokens.shape:
+            raise ValueError(f"draft_probs must be [B, n, V]; got {tuple(self.draft_probs.shape)}")
         idx = torch.arange(self.tokens.shape[1], device=self.tokens.device)
         if not bool((self.parents[:, 1:] < idx[1:]).all()) or not bool((self.parents[:, 1:] >= 0).all()):
             raise ValueError("every non-root node needs a parent with a smaller index")

@@ -36,6 +36,11 @@ only ``tl.reduce`` / ``tl.associative_scan`` with Triton's stock combine functio
 patches to numpy at call time (``tl.sum`` etc. would raise "Cannot call @triton.jit'd outside of the
 scope of a kernel" there). If ``TRITON_INTERPRET=1`` is set before import anyway, ``triton.jit`` itself
 returns an interpreted function and everything still runs, on the CPU.
+
+The interpreter is not the compiler: its argmax reduction returns the position in the block whatever index
+tensor it is given (the compiler returns the given index), so the kernels always reduce over
+``tl.arange`` positions and add the block offset themselves. ``compile_for_nvidia`` lowers every variant
+to sm_90 machine code without a GPU; ``scripts/gpu_check.py`` runs them for real.
 """
 
 from __future__ import annotations
@@ -78,9 +83,11 @@ def _greedy_kernel(
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + ar_v
             x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            m, i = tl.reduce((x, offs), 0, _ARGMAX_LEFT)
+            # reduce (value, position in the chunk), then add the chunk offset: the interpreter's argmax
+            # returns the position whatever index tensor it is given, the compiler returns that tensor
+            m, i = tl.reduce((x, ar_v), 0, _ARGMAX_LEFT)
             # strict '>' keeps the earlier chunk on ties across chunks
-            best_i = tl.where(m > best_v, i, best_i)
+            best_i = tl.where(m > best_v, v0 + i, best_i)
             best_v = tl.maximum(m, best_v)
         tstar = best_i.to(tl.int64)
     else:
@@ -100,8 +107,8 @@ def _greedy_kernel(
                 for v0 in range(0, V, BLOCK_V):
                     offs = v0 + ar_v
                     x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-                    m, i = tl.reduce((x, offs), 0, _ARGMAX_LEFT)
-                    best_i = tl.where(m > best_v, i, best_i)
+                    m, i = tl.reduce((x, ar_v), 0, _ARGMAX_LEFT)
+                    best_i = tl.where(m > best_v, v0 + i, best_i)
                     best_v = tl.maximum(m, best_v)
                 tstar = best_i.to(tl.int64)
             else:

@@ -198,51 +198,78 @@ def prefill(target: TargetModel, state: DecodeState, capture_aux: bool = False):
 
 
 # ----------------------------------------------------------------------------------------- vanilla
-@torch.no_grad()
+def _seeded_generator(params: SamplingParams, device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    return gen
+
+
+def _next_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+    """logits [B, V] → [B] token ids (argmax at T = 0, else a sample of the warped distribution)."""
+    if params.greedy:
+        return logits.argmax(-1)
+    u = torch.rand(logits.shape[0], generator=gen, device=logits.device)
+    return sample_from_probs(warp_logits(logits, params).softmax(-1), u)
+
+
+def _vanilla_single(target: TargetModel, prompt: list[int], params: SamplingParams, stop: set[int]) -> GenerationResult:
+    """Batch 1: the leanest loop HF offers (no mask, implicit positions, the sampled tensor fed back)."""
+    stats = GenerationStats(tree_nodes=1)
+    t0 = time.perf_counter()
+    gen = _seeded_generator(params, target.device)
+    model, cache = target.model, DynamicCache()
+    if len(prompt) > 1:
+        model(input_ids=torch.tensor([prompt[:-1]], device=target.device), cache=cache, use_cache=True)
+    x = torch.tensor([[prompt[-1]]], device=target.device)
+    stats.prefill_s = time.perf_counter() - t0
+    out: list[int] = []
+    while True:
+        tv = time.perf_counter()
+        logits = model(input_ids=x, cache=cache, use_cache=True).logits[:, -1]
+        tb = time.perf_counter()
+        stats.verify_s += tb - tv
+        nxt = _next_token(logits, params, gen)
+        token = int(nxt)
+        out.append(token)
+        stats.bookkeeping_s += time.perf_counter() - tb
+        if token in stop or len(out) >= params.max_new_tokens:
+            break
+        x = nxt.view(1, 1)
+    stats.rounds = stats.row_forwards = stats.new_tokens = len(out)
+    stats.total_s = time.perf_counter() - t0
+    return GenerationResult([out], stats)
+
+
+@torch.inference_mode()
 def generate_vanilla(
     target: TargetModel, prompts: list[list[int]], params: SamplingParams, eos_ids: tuple[int, ...] = ()
 ) -> GenerationResult:
     """KV-cached autoregressive decoding: the baseline of every speedup.
 
-    Batch 1 takes the leanest path HF offers (no mask, implicit positions); batches use the shared
-    left-padded layout with a 4D mask so rows never see each other's padding.
+    Batch 1 takes a dedicated minimal loop; batches use the shared left-padded slot layout with a 4D
+    mask so rows never see each other's padding.
     """
+    state = DecodeState(prompts, params, eos_ids, target.device)
+    if len(prompts) == 1:
+        return _vanilla_single(target, prompts[0], params, state.stop_ids)
     stats = GenerationStats(tree_nodes=1)
     t0 = time.perf_counter()
-    state = DecodeState(prompts, params, eos_ids, target.device)
-    gen = torch.Generator(device=target.device)
-    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-    model = target.model
-    single = len(prompts) == 1
-    if single:
-        body = torch.tensor([state.contexts[0][:-1]], device=target.device)
-        if body.shape[1]:
-            model(input_ids=body, cache=state.cache, use_cache=True)
-        state.kv_valid = torch.ones(1, body.shape[1], dtype=torch.bool, device=target.device)
-    else:
-        prefill(target, state)
+    gen = _seeded_generator(params, target.device)
+    prefill(target, state)
     stats.prefill_s = time.perf_counter() - t0
     while state.active:
         tv = time.perf_counter()
-        roots = state.roots[:, None]
-        if single:
-            logits = model(input_ids=roots, cache=state.cache, use_cache=True).logits[:, -1]
-        else:
-            allowed = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)[:, None, :]
-            logits = model(
-                input_ids=roots,
-                attention_mask=_additive_mask(allowed, target.dtype),
-                position_ids=state.lengths[:, None],
-                cache=state.cache,
-                use_cache=True,
-            ).logits[:, -1]
+        allowed = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)[:, None, :]
+        logits = target.model(
+            input_ids=state.roots[:, None],
+            attention_mask=_additive_mask(allowed, target.dtype),
+            position_ids=state.lengths[:, None],
+            cache=state.cache,
+            use_cache=True,
+        ).logits[:, -1]
         stats.verify_s += time.perf_counter() - tv
         tb = time.perf_counter()
-        if params.greedy:
-            nxt = logits.argmax(-1)
-        else:
-            u = torch.rand(logits.shape[0], generator=gen, device=logits.device)
-            nxt = sample_from_probs(warp_logits(logits, params).softmax(-1), u)
+        nxt = _next_token(logits, params, gen)
         state.kv_valid = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)
         stats.rounds += 1
         stats.row_forwards += len(state.active)
@@ -322,7 +349,7 @@ def keep_accepted(state: DecodeState, result: AcceptResult, n: int) -> torch.Ten
     return result.length
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate_speculative(
     target: TargetModel,
     proposer: Proposer,
@@ -340,8 +367,7 @@ def generate_speculative(
     stats = GenerationStats()
     t0 = time.perf_counter()
     state = DecodeState(prompts, params, eos_ids, target.device)
-    gen = torch.Generator(device=target.device)
-    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    gen = _seeded_generator(params, target.device)
     proposer.begin([list(c) for c in state.contexts])
     out = prefill(target, state, capture_aux=proposer.needs_features)
     if proposer.needs_features and out is not None:

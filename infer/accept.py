@@ -70,7 +70,12 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> AcceptResult:
     t*; stop when none matches. The bonus is t* at the stop node, so the emitted tokens are exactly
     what greedy decoding of the target would produce (Leviathan et al. 2023, T -> 0 limit).
     """
-    tstar = target_logits.argmax(-1)  # [B, n]
+    return greedy_walk(tree, target_logits.argmax(-1))
+
+
+def greedy_walk(tree: DraftTree, tstar: torch.Tensor) -> AcceptResult:
+    """``accept_greedy`` given the target argmax ``tstar`` [B, n] per node (kernels may compute it)."""
+    tstar = tstar.long()
     rows, cur, path, length = _start(tree)
     for j in range(1, tree.num_nodes):
         tried = tree.valid[:, j] & (tree.parents[:, j] == cur)

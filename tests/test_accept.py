@@ -110,8 +110,9 @@ def test_greedy_matches_reference_walk_on_random_trees_and_chains() -> None:
     parents = torch.stack([torch.cat([torch.tensor([-1, 0]), torch.randint(0, 1 << 30, (n - 2,), generator=gen)])
                            for _ in range(B)])
     parents[:, 2:] = parents[:, 2:] % torch.arange(2, n)  # parent < index
-    t = DraftTree(torch.randint(0, v, (B, n), generator=gen), parents, torch.rand(B, n, generator=gen) > 0.1)
-    t.valid[:, 0] = True
+    valid = torch.rand(B, n, generator=gen) > 0.1
+    valid[:, 0] = True
+    t = DraftTree(torch.randint(0, v, (B, n), generator=gen), parents, valid)
     logits = torch.randn(B, n, v, generator=gen)
     paths, bonus = reference_greedy(t, logits)
     assert_result(accept_greedy(t, logits), paths, bonus)

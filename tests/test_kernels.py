@@ -17,11 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.accept import AcceptResult, accept_greedy, accept_rejection
+from infer.accept import AcceptResult, accept_greedy, accept_rejection, greedy_walk
 from infer.kernels import (
     compact_kv,
     compact_kv_reference,
-    greedy_from_argmax,
     rejection_disagreement,
     use_triton,
     verify_greedy,
@@ -163,7 +162,7 @@ def test_greedy_interpreter(kind: str, seed: int, ties: bool) -> None:
     assert_same(verify_greedy(tree, logits, force_triton=True), ref)
     # the argmax-input variant (kernel and torch path) and bf16 logits follow the same walk
     assert_same(verify_greedy(tree, logits.argmax(-1), force_triton=True), ref)
-    assert_same(greedy_from_argmax(tree, logits.argmax(-1)), ref)
+    assert_same(greedy_walk(tree, logits.argmax(-1)), ref)
     bf = logits.bfloat16()
     assert_same(verify_greedy(tree, bf, force_triton=True), accept_greedy(tree, bf))
     if kind == "star":  # one level: a row accepts at most one draft

@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from infer.accept import AcceptResult, accept_greedy, accept_rejection
+from infer.accept import AcceptResult, accept_greedy, accept_rejection, greedy_walk
 from infer.tree import DraftTree
 
 try:  # Triton is optional: without it every call takes the torch path
@@ -56,31 +56,13 @@ def use_triton(device: torch.device, force_triton: bool | None = None) -> bool:
     return HAS_TRITON and device.type == "cuda"
 
 
-def greedy_from_argmax(tree: DraftTree, tstar: torch.Tensor) -> AcceptResult:
-    """``accept_greedy`` when the target argmax ``tstar`` [B, n] is already known (same walk, no logits)."""
-    B, n = tree.tokens.shape
-    dev = tree.tokens.device
-    tstar = tstar.long()
-    rows = torch.arange(B, device=dev)
-    cur = torch.zeros(B, dtype=torch.int64, device=dev)
-    path = torch.full((B, n), -1, dtype=torch.int64, device=dev)
-    path[:, 0] = 0
-    length = torch.ones(B, dtype=torch.int64, device=dev)
-    for j in range(1, n):
-        accepted = tree.valid[:, j] & (tree.parents[:, j] == cur) & (tree.tokens[:, j] == tstar[rows, cur])
-        path[rows, length] = torch.where(accepted, j, path[rows, length])
-        cur = torch.where(accepted, j, cur)
-        length = length + accepted.long()
-    return AcceptResult(path, length, tstar[rows, cur])
-
-
 def verify_greedy(tree: DraftTree, target: torch.Tensor, *, force_triton: bool | None = None) -> AcceptResult:
     """Greedy tree verify. ``target``: logits [B, n, V] or target argmax [B, n] (integer dtype)."""
     is_logits = target.is_floating_point()
     ok_dtype = not is_logits or target.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if use_triton(target.device, force_triton) and (ok_dtype or force_triton):
         return AcceptResult(*_tv.greedy_verify(tree.tokens, tree.parents, tree.valid, target))
-    return accept_greedy(tree, target) if is_logits else greedy_from_argmax(tree, target)
+    return accept_greedy(tree, target) if is_logits else greedy_walk(tree, target)
 
 
 def verify_rejection(tree: DraftTree, p: torch.Tensor, accept_u: torch.Tensor, sample_u: torch.Tensor, *,

@@ -66,6 +66,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return dict(value)
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "2e-4" (no dot) as a string; accept any float literal
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)

@@ -46,7 +46,7 @@ HISTORY_DROPPING = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 # transformers renders with trim_blocks, which eats the newline right after {% endgeneration %}: drop it too
-NO_MARKERS_REFERENCE = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}\n", "")
+NO_MARKERS_REFERENCE = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 END_TOKEN = {"reference": "<|end|>", "qwen": "<|im_end|>", "llama3": "<|eot_id|>"}
 
 

@@ -81,8 +81,8 @@ class Eagle3Proposer(Proposer):
     # --- drafter calls -----------------------------------------------------------------------------
 
     def _append(self, out, new_valid: torch.Tensor) -> None:
-        self.keys = torch.cat([self.keys, out.keys], 2)
-        self.values = torch.cat([self.values, out.values], 2)
+        """Adopt a step's cache (the old one with the new tokens appended) and mark the new slots."""
+        self.keys, self.values = out.keys, out.values
         self.kv_valid = torch.cat([self.kv_valid, new_valid], 1)
 
     def _sync(self, contexts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -128,7 +128,8 @@ class Eagle3Proposer(Proposer):
         return hidden, self.drafter.compute_logits(hidden), has_pairs
 
     def _full_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """[.., Vd] draft-vocab logits → [.., V] float32 target-vocab logits (-inf outside the draft vocab)."""
+        """[.., Vd] draft-vocab logits → [.., V] float32 target-vocab logits (-inf outside the draft vocab), for
+        sampled chains whose q must be a distribution over the target vocabulary."""
         full = torch.full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"), device=self.device)
         return full.index_copy_(-1, self.draft_to_target, draft_logits.float())
 
@@ -186,15 +187,16 @@ class Eagle3Proposer(Proposer):
         return chain(torch.stack(tokens, 1), draft_probs)
 
     def _propose_tree(self, roots, root_hidden, root_logits) -> DraftTree:
+        """The tree is searched in draft-id space (log-softmax and top-k over Vd, not V) and mapped to target ids."""
         B = roots.shape[0]
         start = self.kv_valid.shape[1]
         pair_count = torch.tensor(self.fed, device=self.device)
         expanded_hidden: list[torch.Tensor] = []  # [B, k, H] per expand call, in expansion order
 
-        def expand(frontier_tokens: torch.Tensor, frontier_depth: int, frontier_anc: torch.Tensor) -> torch.Tensor:
-            """Score frontier [B, k] at depth ``frontier_depth``; ``frontier_anc[b, i, j]``: the j-th expanded node
-            (= drafter cache slot start + j) is an ancestor of frontier node i. Returns log-probs [B, k, V]."""
-            k = frontier_tokens.shape[1]
+        def expand(frontier_ids: torch.Tensor, frontier_depth: int, frontier_anc: torch.Tensor) -> torch.Tensor:
+            """Score frontier [B, k] (draft ids) at depth ``frontier_depth``; ``frontier_anc[b, i, j]``: the j-th
+            expanded node (= drafter cache slot start + j) is an ancestor of frontier node i. → log-probs [B, k, Vd]."""
+            k = frontier_ids.shape[1]
             if frontier_depth == 1:
                 parent_hidden = root_hidden[:, None].expand(B, k, -1)
             else:
@@ -206,12 +208,16 @@ class Eagle3Proposer(Proposer):
             own = torch.eye(k, dtype=torch.bool, device=self.device)[None].expand(B, k, k)
             allowed = torch.cat([self.kv_valid[:, None, :start].expand(B, k, -1), frontier_anc, own], 2)
             positions = (pair_count + frontier_depth - 1)[:, None].expand(B, k)
-            out = self.drafter.step(parent_hidden, frontier_tokens, positions, allowed, self.keys, self.values)
+            out = self.drafter.step(parent_hidden, self.draft_to_target[frontier_ids], positions, allowed, self.keys,
+                                    self.values)
             self._append(out, torch.ones(B, k, dtype=torch.bool, device=self.device))
             expanded_hidden.append(out.hidden)
-            return self._full_vocab(out.logits).log_softmax(-1)
+            return out.logits.float().log_softmax(-1)
 
-        root_logprobs = self._full_vocab(root_logits).log_softmax(-1)
+        root_logprobs = root_logits.float().log_softmax(-1)
         if self.static_paths is not None:
-            return build_static_tree(roots, root_logprobs, expand, self.static_paths)
-        return build_dynamic_tree(roots, root_logprobs, expand, self.tree)
+            tree = build_static_tree(roots, root_logprobs, expand, self.static_paths)
+        else:
+            tree = build_dynamic_tree(roots, root_logprobs, expand, self.tree)
+        tree.tokens[:, 1:] = self.draft_to_target[tree.tokens[:, 1:]]  # node 0 is the root, already a target id
+        return tree

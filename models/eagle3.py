@@ -1,0 +1,558 @@
+"""EAGLE-3 drafter (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test"): one Llama-style decoder layer that reads three target feature taps.
+
+Data flow for one draft step (shapes: B batch, m tokens, H drafter hidden = target hidden, Ht target hidden,
+Vd draft vocabulary)::
+
+    features [B, m, 3Ht] ─ fc ─► h [B, m, H]                     (step 0; later steps feed back the layer output)
+    embed_tokens(token) [B, m, H] ─ input_layernorm ─┐
+    h ─ hidden_norm ─────────────────────────────────┴─ concat [B, m, 2H] ─ q/k/v ─ attention ─ o_proj ─► + h
+      ─► post_attention_layernorm ─ SwiGLU MLP ─► + (residual)  = h'  (pre-norm output, fed back as next h)
+    h' ─ norm ─ lm_head ─► logits [B, m, Vd]  (draft ids; target id = draft id + d2t[draft id])
+
+Module names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) are the keys SGLang and vLLM load
+(REFERENCE.md), so the engine export is a key filter (``models/export.py``). ``embed_tokens`` is a frozen copy of the
+target's input embedding: it is not saved (the target has it), and ``from_pretrained`` copies it back from the target.
+
+Attention masks are boolean ``allowed[b, query, key]`` over ``[cached keys ‖ new keys]`` with explicit rope positions,
+so the same layer serves training (the training-time-test unroll, ``forward``) and the runtime's ragged KV cache
+with holes (``infer/eagle3_proposer.py``).
+
+Checkpoint (DESIGN.md §6): ``config.json`` = the fields of :class:`Eagle3Config` plus a ``drafters`` block (method,
+version, target name / vocab size / hidden size / layer count, tokenizer fingerprint, aux-layer ids and convention);
+``model.safetensors`` = every trainable weight plus ``d2t`` / ``t2d``. Loading checks the target before any compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig, PreTrainedConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from models.config import from_dict
+from models.target import AUX_LAYER_CONVENTION, TargetModel, tokenizer_fingerprint
+
+METHOD = "eagle3"
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Eagle3Config:
+    """Shape of an EAGLE-3 drafter. Build it with `from_target` so rope and sizes follow the target."""
+
+    hidden_size: int
+    """Drafter width H; equals the target's hidden size (the frozen target embedding is H wide)."""
+
+    intermediate_size: int
+    """SwiGLU MLP width (the target's by default)."""
+
+    num_attention_heads: int
+    """Query heads of the drafter's attention."""
+
+    num_key_value_heads: int
+    """Key/value heads (grouped-query attention when smaller than num_attention_heads)."""
+
+    head_dim: int
+    """Per-head width; q_proj maps 2H → num_attention_heads * head_dim."""
+
+    vocab_size: int
+    """Target vocabulary (logit width of the target); t2d has this many entries."""
+
+    draft_vocab_size: int
+    """Rows of the drafter's lm_head (REFERENCE.md: 32000 for 128k-vocab targets)."""
+
+    target_hidden_size: int
+    """Width of one target feature tap; fc reads num_aux_layers * target_hidden_size."""
+
+    num_aux_layers: int = 3
+    """Target layers whose outputs are concatenated into the features (EAGLE-3: low, mid, high)."""
+
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm (the target's)."""
+
+    max_position_embeddings: int = 2048
+    """Copied from the target: a smaller value than the target's destroyed τ in one report (REFERENCE.md)."""
+
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    """HF rope settings (rope_type, rope_theta, scaling fields), copied from the target."""
+
+    norm_before_fc: bool = False
+    """Opt-in variant: RMSNorm over the 3·Ht features before fc (off in EAGLE-3 / SpecForge)."""
+
+    initializer_range: float = 0.02
+    """Std of the normal init of the trainable linear layers."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "vocab_size", "draft_vocab_size", "target_hidden_size", "num_aux_layers",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab {self.vocab_size}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if "rope_type" not in self.rope_parameters or "rope_theta" not in self.rope_parameters:
+            raise ValueError(f"rope_parameters needs rope_type and rope_theta, got {self.rope_parameters}")
+
+    @classmethod
+    def from_target(
+        cls, target_config: PreTrainedConfig, draft_vocab_size: int, num_aux_layers: int = 3, **overrides: Any
+    ) -> Eagle3Config:
+        """Copy width, heads, norm eps, max positions and rope from an HF Llama / Qwen2 / Qwen3 / Mistral config."""
+        c = target_config.get_text_config()
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # Qwen2 has no head_dim
+        values = dict(
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads or c.num_attention_heads,
+            head_dim=head_dim,
+            vocab_size=c.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=c.hidden_size,
+            num_aux_layers=num_aux_layers,
+            rms_norm_eps=c.rms_norm_eps,
+            max_position_embeddings=c.max_position_embeddings,
+            rope_parameters=dict(c.rope_parameters),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def llama_config(self) -> LlamaConfig:
+        """The one-layer LlamaConfig these shapes correspond to (rope init here; engine exports build on it)."""
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=1,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+            hidden_act="silu",
+            tie_word_embeddings=False,
+            attention_bias=False,
+            mlp_bias=False,
+        )
+
+
+@dataclass
+class TargetInfo:
+    """The ``drafters`` block of config.json: what the drafter was trained against (DESIGN.md §6)."""
+
+    target_name: str
+    """name_or_path of the target at training time (informational: paths move)."""
+    target_vocab_size: int
+    """Logit width of the target; checked on load."""
+    target_hidden_size: int
+    """Hidden size of the target; checked on load."""
+    target_num_layers: int
+    """Decoder layers of the target; checked on load (aux ids index them)."""
+    tokenizer_fingerprint: str | None
+    """`models.target.tokenizer_fingerprint` of the target's tokenizer; checked when a tokenizer is given."""
+    aux_layer_ids: list[int]
+    """Feature taps, in the convention below."""
+    aux_layer_convention: str = AUX_LAYER_CONVENTION
+    """How to read aux_layer_ids ("output_of_layer_0based": HF output_hidden_states[k + 1])."""
+    target_architectures: list[str] = field(default_factory=list)
+    """HF architectures of the target (informational; the speculators export names its verifier with them)."""
+    method: str = METHOD
+    version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.method != METHOD:
+            raise ValueError(f"not an {METHOD} checkpoint: method={self.method!r}")
+        if self.version > FORMAT_VERSION:
+            raise ValueError(f"checkpoint format version {self.version} is newer than this code ({FORMAT_VERSION})")
+        if self.aux_layer_convention != AUX_LAYER_CONVENTION:
+            raise ValueError(
+                f"aux_layer_convention {self.aux_layer_convention!r} is not {AUX_LAYER_CONVENTION!r}; convert the ids "
+                "with models.target.from_before_layer_ids"
+            )
+
+    @classmethod
+    def of(cls, target: TargetModel, tokenizer=None) -> TargetInfo:
+        return cls(
+            target_name=str(target.name_or_path),
+            target_vocab_size=target.vocab_size,
+            target_hidden_size=target.hidden_size,
+            target_num_layers=target.num_layers,
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
+            aux_layer_ids=target.aux_layer_ids,
+            target_architectures=list(target.config.architectures or [type(target.hf_model).__name__]),
+        )
+
+    def check(self, target: TargetModel, tokenizer=None) -> None:
+        """Raise ValueError naming every mismatch between this block and ``target`` (and its tokenizer)."""
+        problems = []
+        for name, want, got in (
+            ("vocab size", self.target_vocab_size, target.vocab_size),
+            ("hidden size", self.target_hidden_size, target.hidden_size),
+            ("decoder layers", self.target_num_layers, target.num_layers),
+        ):
+            if want != got:
+                problems.append(f"{name}: drafter trained for {want}, target has {got}")
+        if list(self.aux_layer_ids) != target.aux_layer_ids:
+            problems.append(
+                f"aux layers: drafter reads {self.aux_layer_ids} ({self.aux_layer_convention}), the target captures "
+                f"{target.aux_layer_ids}; build TargetModel(..., aux_layer_ids={self.aux_layer_ids})"
+            )
+        if tokenizer is not None and self.tokenizer_fingerprint is not None:
+            got_fp = tokenizer_fingerprint(tokenizer)
+            if got_fp != self.tokenizer_fingerprint:
+                problems.append(f"tokenizer fingerprint: drafter {self.tokenizer_fingerprint}, target {got_fp}")
+        if problems:
+            raise ValueError(f"drafter does not match target {target.name_or_path!r}: " + "; ".join(problems))
+
+
+def read_checkpoint_config(path: str | Path) -> tuple[Eagle3Config, TargetInfo]:
+    """Parse a checkpoint's config.json (no weights read): use it to build the matching target first."""
+    raw = json.loads((Path(path) / CONFIG_NAME).read_text())
+    block = raw.pop("drafters", None)
+    if block is None:
+        raise ValueError(f"{path}/{CONFIG_NAME} has no 'drafters' block: not a drafters checkpoint")
+    raw.pop("architectures", None)
+    return from_dict(Eagle3Config, raw), from_dict(TargetInfo, block)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm (statistics in fp32, as HF does, so bf16 runs match the target's numerics)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # one fused kernel instead of five elementwise ops: drafting at batch 1 is dispatch-bound on a CPU
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, m, d]; cos/sin [B, m, d] (HF layout, rotate-half convention)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class Eagle3Attention(nn.Module):
+    """Attention whose q/k/v read the 2H concat (embedding ‖ hidden) and whose o_proj writes H."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, m, 2H] → rope'd q [B, nh, m, d], k [B, nkv, m, d], v [B, nkv, m, d]."""
+        B, m, _ = x.shape
+        q = self.q_proj(x).view(B, m, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, m, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, m, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, nkv, S, d] → [B, nh, S, d] (grouped-query attention)."""
+        return x.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+
+    def out(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn [B, nh, m, d] → [B, m, H]."""
+        B, _, m, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(B, m, self.num_heads * self.head_dim))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """The ``midlayer``: its parts in the order of the module docstring; the attention core is the caller's."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Eagle3MLP(cfg)
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, m, H] each → [B, m, 2H]: embedding first, as EAGLE-3 / SpecForge / the engines concatenate."""
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual over the attention (residual = the hidden input h), then the MLP block → pre-norm h'."""
+        h = hidden + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# --------------------------------------------------------------------------------------------------
+# Drafter
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepOutput:
+    """One drafter step over m new tokens."""
+
+    hidden: torch.Tensor
+    """[B, m, H] pre-norm layer output (the next step's hidden input)."""
+    logits: torch.Tensor | None
+    """[B, m, Vd] draft-vocab logits (None when not asked for)."""
+    keys: torch.Tensor
+    """[B, nkv, S + m, d] rope'd keys: the cache passed in with the new tokens' appended (the caller's new cache)."""
+    values: torch.Tensor
+    """[B, nkv, S + m, d]."""
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 drafter. ``from_target`` for a fresh one, ``from_pretrained`` to load a checkpoint."""
+
+    def __init__(self, cfg: Eagle3Config, target_info: TargetInfo | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.target_info = target_info
+        # Frozen copy of the target's input embedding; filled by from_target / from_pretrained.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        features = cfg.num_aux_layers * cfg.target_hidden_size
+        self.feature_norm = RMSNorm(features, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc = nn.Linear(features, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # Draft vocabulary maps (REFERENCE.md): target_id = draft_id + d2t[draft_id]; t2d[target_id] = in draft vocab.
+        # Identity-prefix default so a fresh drafter is usable before build_draft_vocab runs.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.rotary = LlamaRotaryEmbedding(cfg.llama_config())
+        # cos / sin by position for the inference path (grown on demand); rope types whose frequencies depend on
+        # the sequence length ("dynamic") are recomputed every call instead
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in (self.fc, self.lm_head, *self.midlayer.self_attn.children(), *self.midlayer.mlp.children()):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+
+    # --- construction / io ------------------------------------------------------------------------
+
+    @classmethod
+    def from_target(cls, target: TargetModel, draft_vocab_size: int, tokenizer=None, **overrides: Any) -> Eagle3Drafter:
+        """A fresh drafter shaped after ``target``, with the target's embedding copied in and frozen."""
+        cfg = Eagle3Config.from_target(
+            target.config, draft_vocab_size, num_aux_layers=len(target.aux_layer_ids), **overrides
+        )
+        drafter = cls(cfg, TargetInfo.of(target, tokenizer)).to(device=target.device)
+        drafter.copy_embedding(target.embed_tokens.weight)
+        return drafter
+
+    def copy_embedding(self, weight: torch.Tensor) -> None:
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(f"target embedding {tuple(weight.shape)} != drafter {tuple(self.embed_tokens.weight.shape)}")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
+
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocabulary maps (``train/draft_vocab.py`` builds them)."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not fit "
+                             f"{tuple(self.d2t.shape)} / {tuple(self.t2d.shape)}")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @torch.no_grad()
+    def init_head_from_target(self, target: TargetModel) -> None:
+        """Opt-in warm start (not part of EAGLE-3): the target's final-norm weight into ``norm``, the draft-vocab rows
+        of its lm_head into ``lm_head``, and ``fc`` = identity on the last feature tap, so training starts from a
+        "logit lens" on the target's highest tapped layer instead of from noise. Call after ``set_draft_vocab``."""
+        self.norm.weight.copy_(target.final_norm.weight.to(self.norm.weight.dtype))
+        self.lm_head.weight.copy_(target.lm_head.weight[self.draft_to_target].to(self.lm_head.weight.dtype))
+        H = self.config.target_hidden_size
+        if self.config.hidden_size == H:
+            self.fc.weight.zero_()
+            self.fc.weight[:, -H:] = torch.eye(H, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """[Vd] int64 target id of every draft id."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything saved: all weights except the frozen target embedding, plus d2t / t2d."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """config.json (Eagle3Config + ``drafters`` block) and model.safetensors; bit-exact on reload."""
+        if self.target_info is None:
+            raise ValueError("target_info is unset: build the drafter with from_target so the checkpoint names its target")
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        config = {"architectures": ["Eagle3Drafter"], **dataclasses.asdict(self.config),
+                  "drafters": dataclasses.asdict(self.target_info)}
+        (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state_dict().items()}
+        save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt", "drafters_method": METHOD})
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: TargetModel, tokenizer=None) -> Eagle3Drafter:
+        """Load a checkpoint for ``target``; refuses (ValueError) a mismatching target before reading weights."""
+        cfg, info = read_checkpoint_config(path)
+        info.check(target, tokenizer)
+        state = load_file(str(Path(path) / WEIGHTS_NAME))
+        drafter = cls(cfg, info)
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("embed_tokens.")]
+        if missing or unexpected:
+            raise ValueError(f"{path}: missing keys {missing}, unexpected keys {unexpected}")
+        drafter.to(device=target.device)
+        drafter.copy_embedding(target.embed_tokens.weight)
+        return drafter
+
+    # --- forward pieces ---------------------------------------------------------------------------
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target taps [.., A·Ht] → step-0 hidden [.., H]."""
+        if self.feature_norm is not None:
+            features = self.feature_norm(features)
+        return self.fc(features)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden [.., H] → draft-vocab logits [.., Vd]."""
+        return self.lm_head(self.norm(hidden))
+
+    def step(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        allowed: torch.Tensor,
+        past_keys: torch.Tensor | None = None,
+        past_values: torch.Tensor | None = None,
+        with_logits: bool = True,
+    ) -> StepOutput:
+        """One drafter step over m new tokens against a KV cache of S slots (inference path).
+
+        hidden [B, m, H] (fc(features) or a previous step's output), input_ids [B, m], positions [B, m] (rope),
+        allowed [B, m, S + m] bool: query i may read cached slot s / new token j. past_keys/values [B, nkv, S, d].
+        """
+        attn_mod = self.midlayer.self_attn
+        x = self.midlayer.attention_input(self.embed_tokens(input_ids), hidden)
+        cos, sin = self.rope_by_position(x, positions)
+        q, k, v = attn_mod.qkv(x, cos, sin)
+        keys = k if past_keys is None else torch.cat([past_keys, k], 2)
+        values = v if past_values is None else torch.cat([past_values, v], 2)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None],
+                                              enable_gqa=attn_mod.num_heads != attn_mod.num_kv_heads)
+        h = self.midlayer.finish(hidden, attn_mod.out(attn))
+        return StepOutput(h, self.compute_logits(h) if with_logits else None, keys, values)
+
+    def rope_by_position(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, m, d] for explicit positions [B, m], from a table (same values as ``self.rotary``)."""
+        if self.config.rope_parameters["rope_type"] == "dynamic":
+            return self.rotary(x, positions)
+        need = int(positions.max()) + 1
+        if self._rope_table is None or self._rope_table[0].shape[0] < need or self._rope_table[0].device != x.device:
+            grown = 2 * self._rope_table[0].shape[0] if self._rope_table is not None else 256
+            size = max(need, min(grown, self.config.max_position_embeddings))
+            probe = torch.zeros((), dtype=torch.float32, device=x.device)
+            cos, sin = self.rotary(probe, torch.arange(size, device=x.device)[None])
+            self._rope_table = (cos[0], sin[0])
+        cos, sin = self._rope_table
+        return cos[positions].to(x.dtype), sin[positions].to(x.dtype)
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        allowed: torch.Tensor,
+        ttt_steps: int,
+    ) -> list[torch.Tensor]:
+        """Training-time test unroll (EAGLE-3 §3.3): ``ttt_steps`` logits tensors [B, T, Vd].
+
+        This is ``forward`` so that DDP (accelerate's prepare) sees the training computation.
+
+        features [B, T, A·Ht]: target taps at every position t. Step i at position t reads token t+1+i (teacher
+        forcing; ids past the end are 0 and their outputs are masked by the loss) and, for i ≥ 1, the step-(i-1)
+        output at t; it predicts token t+2+i. Attention: a step-i query at t sees the step-0 keys that ``allowed``
+        [B, T, T] permits (causal, same sample) plus only the same-position key of steps 1..i — exactly the keys an
+        inference-time node at depth i sees (its context pairs and its ancestors). Rope position = position + i.
+        """
+        B, T, _ = features.shape
+        attn_mod = self.midlayer.self_attn
+        scale = 1.0 / math.sqrt(attn_mod.head_dim)
+        hidden = self.project_features(features)
+        step0_bias = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
+        step0_bias = step0_bias.masked_fill(~allowed, torch.finfo(hidden.dtype).min)[:, None]  # [B, 1, T, T]
+        keys0 = values0 = None
+        diag_keys: list[torch.Tensor] = []
+        diag_values: list[torch.Tensor] = []
+        all_logits = []
+        for i in range(ttt_steps):
+            ids = F.pad(input_ids[:, 1 + i :], (0, min(1 + i, T)), value=0)[:, :T]
+            x = self.midlayer.attention_input(self.embed_tokens(ids), hidden)
+            cos, sin = self.rotary(x, position_ids + i)
+            q, k, v = attn_mod.qkv(x, cos, sin)
+            k, v = attn_mod.repeat_kv(k), attn_mod.repeat_kv(v)
+            if i == 0:
+                keys0, values0 = k, v
+            else:
+                diag_keys.append(k)
+                diag_values.append(v)
+            scores0 = torch.matmul(q, keys0.transpose(2, 3)) * scale + step0_bias  # [B, nh, T, T]
+            # same-position keys of steps 1..i: one score per (query, step) → [B, nh, T, i]
+            diag = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_keys]
+            probs = torch.cat([scores0, *diag], dim=-1).float().softmax(-1).to(q.dtype)
+            attn = torch.matmul(probs[..., :T], values0)
+            for j, dv in enumerate(diag_values):
+                attn = attn + probs[..., T + j : T + j + 1] * dv
+            hidden = self.midlayer.finish(hidden, attn_mod.out(attn))
+            all_logits.append(self.compute_logits(hidden))
+        return all_logits

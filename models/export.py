@@ -1,0 +1,145 @@
+"""Export drafters to the formats serving engines load unchanged (key maps: REFERENCE.md, "EAGLE-3").
+
+- SGLang / vLLM (``LlamaForCausalLMEagle3``): a LlamaConfig with one hidden layer plus ``draft_vocab_size``,
+  ``target_hidden_size`` and ``eagle_config``; weights ``fc.weight``, ``midlayer.*``, ``norm.weight``,
+  ``lm_head.weight``, ``d2t`` (int64), ``t2d`` (bool); no ``embed_tokens`` (the engines share the target's).
+  vLLM renames ``midlayer.`` → ``layers.0.`` itself; SGLang fuses q/k/v and gate/up on load.
+- speculators (``Eagle3Speculator``): the same weights with the layer under ``layers.0.``, the layer shape in
+  ``transformer_layer_config`` and the verifier and proposal in ``speculators_config``.
+
+Aux-layer ids are written in the engines' "before layer k" convention (ours + 1, see models/target.py).
+Each format is a pair of pure functions (config dict, state dict) so tests can check key names and shapes on a
+meta-device model, and a ``save_*`` that writes them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from models.eagle3 import Eagle3Drafter
+from models.target import to_before_layer_ids
+
+DEFAULT_SPECULATIVE_TOKENS = 5
+"""Chain length advertised in the speculators proposal method (engines let the user override it)."""
+
+
+def _llama_fields(drafter: Eagle3Drafter) -> dict:
+    cfg = drafter.config
+    return {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        # both spellings: transformers 4.x engines read rope_theta / rope_scaling, 5.x reads rope_parameters
+        "rope_theta": cfg.rope_parameters["rope_theta"],
+        "rope_scaling": None if cfg.rope_parameters["rope_type"] == "default" else dict(cfg.rope_parameters),
+        "rope_parameters": dict(cfg.rope_parameters),
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": _dtype_name(drafter),
+    }
+
+
+def _dtype_name(drafter: Eagle3Drafter) -> str:
+    return str(drafter.fc.weight.dtype).removeprefix("torch.")
+
+
+def _aux_before_layer_ids(drafter: Eagle3Drafter) -> list[int]:
+    if drafter.target_info is None:
+        raise ValueError("the drafter has no target_info; aux-layer ids are unknown")
+    return to_before_layer_ids(drafter.target_info.aux_layer_ids)
+
+
+# ------------------------------------------------------------------------------------ SGLang / vLLM
+def sglang_config(drafter: Eagle3Drafter) -> dict:
+    """config.json for SGLang / vLLM (``LlamaForCausalLMEagle3``)."""
+    cfg = drafter.config
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_fields(drafter),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": _aux_before_layer_ids(drafter),
+            "use_aux_hidden_state": True,
+        },
+    }
+
+
+def sglang_state_dict(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    """Our module names are the engine keys; only the frozen embedding is left out."""
+    if drafter.feature_norm is not None:
+        raise ValueError("norm_before_fc drafters have no key in the LlamaForCausalLMEagle3 format")
+    return drafter.trainable_state_dict()
+
+
+def save_sglang(drafter: Eagle3Drafter, out_dir: str | Path) -> Path:
+    """Write an SGLang / vLLM-loadable directory; returns it."""
+    return _write(out_dir, sglang_config(drafter), sglang_state_dict(drafter))
+
+
+# ------------------------------------------------------------------------------------- speculators
+def speculators_config(drafter: Eagle3Drafter, speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS) -> dict:
+    """config.json of the speculators format (``Eagle3Speculator``)."""
+    cfg = drafter.config
+    info = drafter.target_info
+    layer = {"architectures": ["LlamaForCausalLM"], **_llama_fields(drafter)}
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": _aux_before_layer_ids(drafter),
+        "torch_dtype": _dtype_name(drafter),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": speculative_tokens, "verifier_accept_k": 1,
+                 "accept_tolerance": 0.0}
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": info.target_name if info else None,
+                "architectures": (info.target_architectures if info else None) or ["LlamaForCausalLM"],
+            },
+        },
+    }
+
+
+def speculators_state_dict(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    """Same tensors as the SGLang export with the decoder layer under ``layers.0.``."""
+    return {
+        ("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v
+        for k, v in sglang_state_dict(drafter).items()
+    }
+
+
+def save_speculators(
+    drafter: Eagle3Drafter, out_dir: str | Path, speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
+) -> Path:
+    """Write a speculators-format directory; returns it."""
+    return _write(out_dir, speculators_config(drafter, speculative_tokens), speculators_state_dict(drafter))
+
+
+def _write(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out

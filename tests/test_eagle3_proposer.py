@@ -1,0 +1,102 @@
+"""EAGLE-3 proposer in the verify runtime: greedy token identity (chain, trees; bs 1 and 3) and an overfit stand-in
+whose acceptance is known (a drafter trained to 100 % TTT accuracy on the exact sequence it then drafts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.eagle3_proposer import Eagle3Proposer
+from infer.generate import generate_speculative, generate_vanilla
+from infer.sampling import SamplingParams
+from infer.tree_search import DynamicTreeConfig
+from models.eagle3 import Eagle3Drafter
+from train.draft_vocab import build_draft_vocab
+from train.losses import eagle3_ttt_loss
+
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [11, 3, 4],
+    [9],  # one token: no features before the first verify round
+    [40, 41, 42, 43, 44, 45, 46, 40, 41, 42, 43, 44, 45, 46, 40, 41, 42],
+]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
+SETTINGS = {
+    "chain": dict(k=3),
+    "dynamic-tree": dict(tree=DynamicTreeConfig(top_k=3, depth=4, total_tokens=10)),
+    "static-tree": dict(static_paths=[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]),
+}
+
+
+@pytest.fixture(scope="module")
+def random_drafter(tiny_target):
+    """Random weights and a draft vocabulary of 60 of the 97 ids (so d2t is not the identity)."""
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=60)
+    counts = torch.randint(1, 100, (97,))
+    drafter.set_draft_vocab(*build_draft_vocab(counts, 60))
+    return drafter
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_token_identical_to_vanilla(tiny_target, random_drafter, setting, batch):
+    prompts = PROMPTS[:batch] if batch == 1 else PROMPTS[1:4]
+    expected = [generate_vanilla(tiny_target, [p], GREEDY).tokens[0] for p in prompts]
+    proposer = Eagle3Proposer(random_drafter, **SETTINGS[setting])
+    res = generate_speculative(tiny_target, proposer, prompts, GREEDY)
+    assert res.tokens == expected
+    assert res.stats.tau >= 1.0
+
+
+def test_drafts_only_draft_vocab_tokens(tiny_target, random_drafter):
+    proposer = Eagle3Proposer(random_drafter, tree=DynamicTreeConfig(top_k=4, depth=3, total_tokens=12))
+    proposer.begin([PROMPTS[0]])
+    out = tiny_target(torch.tensor([PROMPTS[0][:-1]]))
+    proposer.observe(out.aux_hidden, torch.tensor([len(PROMPTS[0]) - 1]))
+    tree = proposer.propose([PROMPTS[0]], GREEDY, torch.Generator())
+    assert tree.tokens.shape == (1, 12)
+    assert bool(random_drafter.t2d[tree.tokens[0, 1:]].all())
+    assert proposer.kv_valid.shape[1] == len(PROMPTS[0]) - 1  # draft slots closed again, pairs kept
+
+
+def _overfit(target, drafter, ids: list[int], ttt_steps: int, max_steps: int = 1000) -> list[float]:
+    """Train the drafter on one sequence until every TTT step predicts the target's argmax everywhere."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = target(x)
+    T = x.shape[1]
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None]
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    drafter.train()
+    for _ in range(max_steps):
+        logits = drafter(out.aux_hidden, x, torch.arange(T)[None], allowed, ttt_steps)
+        # sharpened labels: overfitting only needs the target's argmax, and near-one-hot labels get there fastest
+        res = eagle3_ttt_loss(logits, out.logits * 20, torch.ones_like(x), drafter.t2d)
+        if all(c == n for c, n in zip(res.step_correct, res.step_count)):
+            break
+        opt.zero_grad()
+        res.loss.backward()
+        opt.step()
+    drafter.eval()
+    return [c / n for c, n in zip(res.step_correct, res.step_count)]
+
+
+def test_overfit_drafter_is_accepted_at_every_depth(tiny_target):
+    """Known acceptance: after training to 100 % TTT accuracy on the target's own greedy continuation, every draft
+    of a chain / tree of depth k is accepted each round (τ = k + 1) while the drafts stay inside the trained text."""
+    prompt = PROMPTS[0]
+    cont = generate_vanilla(tiny_target, [prompt], SamplingParams(max_new_tokens=24)).tokens[0]
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=97)
+    k = 3
+    acc = _overfit(tiny_target, drafter, prompt + cont, ttt_steps=k)
+    assert acc == [1.0] * k
+    params = SamplingParams(max_new_tokens=16)
+    for proposer in (Eagle3Proposer(drafter, k=k),
+                     Eagle3Proposer(drafter, tree=DynamicTreeConfig(top_k=2, depth=k, total_tokens=8))):
+        res = generate_speculative(tiny_target, proposer, [prompt], params)
+        assert res.tokens[0] == cont[:16]
+        assert res.stats.alpha == [1.0] * k
+        assert res.stats.tau == 16 / 4  # 4 rounds of k + 1 tokens

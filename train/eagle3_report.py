@@ -1,0 +1,137 @@
+"""The verify-runtime report of an EAGLE-3 drafter (end of training, or on demand for any checkpoint).
+
+Measures, on held-out prompts and in one process with interleaved runs (``infer.report.measure``): vanilla decoding,
+prompt lookup, the drafter as a chain and as an EAGLE-2 dynamic tree, and (when given) a small draft model with the
+same chain and tree settings; writes ``report.json`` + ``report.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from infer.eagle3_proposer import Eagle3Proposer
+from infer.generate import generate_speculative
+from infer.proposers import DraftModelProposer
+from infer.report import Candidate, measure, write_report
+from infer.sampling import SamplingParams
+from infer.tree_search import DynamicTreeConfig
+from models.eagle3 import Eagle3Drafter
+from models.target import TargetModel
+
+PROMPT_SOURCES = ("stdlib", "eval_data")
+
+
+@dataclass
+class ReportConfig:
+    """What the closing report measures."""
+
+    enabled: bool = True
+    """Run the report at the end of training (the ``report`` mode runs it regardless)."""
+    prompt_source: str = "stdlib"
+    """"stdlib": held-out files of the reference corpus (train/stdlib_corpus.py); "eval_data": the eval_data samples,
+    each cut before its first loss token (the prompt the target would answer)."""
+    prompts: int = 16
+    """Number of held-out prompts."""
+    prompt_tokens: int = 64
+    """eval_data prompts of raw text (loss on every token): the first prompt_tokens tokens of each sample."""
+    max_new_tokens: int = 128
+    """Tokens generated per prompt and method."""
+    chain_k: int = 5
+    """Drafts per round of the chain setting (0 leaves the chain out)."""
+    tree_top_k: int = 4
+    """EAGLE-2 dynamic tree: children per node and frontier width (EAGLE-2 default 10; ≤ 16-node trees on a CPU)."""
+    tree_depth: int = 5
+    """EAGLE-2 dynamic tree depth."""
+    tree_total_tokens: int = 16
+    """Tree nodes per verify forward, root included (0 leaves the tree out)."""
+    draft_model: str | None = None
+    """Small draft model (HF causal LM sharing the tokenizer) measured beside the drafter; missing path: skipped."""
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    """Batch sizes to measure."""
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    """Sampling temperatures to measure (0 = greedy, with the token-identity check)."""
+    drafter_dir: str | None = None
+    """``report`` mode: checkpoint to measure (default: train.output_dir)."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_source not in PROMPT_SOURCES:
+            raise ValueError(f"prompt_source must be one of {PROMPT_SOURCES}, got {self.prompt_source!r}")
+        if self.prompts < 1 or self.max_new_tokens < 1 or self.prompt_tokens < 1:
+            raise ValueError("prompts, prompt_tokens and max_new_tokens must be >= 1")
+        if self.chain_k < 0 or self.tree_total_tokens < 0 or (self.tree_total_tokens and self.tree_total_tokens < 2):
+            raise ValueError("chain_k must be >= 0 and tree_total_tokens 0 or >= 2")
+        if self.chain_k == 0 and self.tree_total_tokens == 0:
+            raise ValueError("the report needs a chain (chain_k > 0) or a tree (tree_total_tokens > 0)")
+        if any(b < 1 for b in self.batch_sizes) or any(t < 0 for t in self.temperatures):
+            raise ValueError("batch sizes must be >= 1 and temperatures >= 0")
+
+    @property
+    def tree(self) -> DynamicTreeConfig:
+        return DynamicTreeConfig(top_k=self.tree_top_k, depth=self.tree_depth, total_tokens=self.tree_total_tokens)
+
+    @property
+    def tree_name(self) -> str:
+        return f"EAGLE-2 k{self.tree_top_k} d{self.tree_depth} n{self.tree_total_tokens}"
+
+
+def report_prompts(cfg: ReportConfig, tokenizer, eval_set=None) -> list[list[int]]:
+    """Token ids of the held-out prompts."""
+    if cfg.prompt_source == "stdlib":
+        from train.stdlib_corpus import heldout_prompts
+
+        return [p["prompt_ids"] for p in heldout_prompts(tokenizer, n=cfg.prompts)]
+    if eval_set is None:
+        raise ValueError("report.prompt_source='eval_data' needs an eval_data section")
+    prompts = []
+    for sample in eval_set:
+        first = next((i for i, m in enumerate(sample["loss_mask"]) if m), 0)
+        # chat: everything before the first assistant token; raw text (every token a target): a fixed-length head
+        cut = first if first > 1 else cfg.prompt_tokens
+        if len(sample["input_ids"]) > cut:
+            prompts.append(list(sample["input_ids"][:cut]))
+        if len(prompts) == cfg.prompts:
+            break
+    return prompts
+
+
+def candidates(drafter: Eagle3Drafter, cfg: ReportConfig, log: Callable[[str], None] = print) -> list[Candidate]:
+    out = []
+    if cfg.chain_k:
+        out.append(Candidate("eagle3", f"chain {cfg.chain_k}", lambda: Eagle3Proposer(drafter, k=cfg.chain_k)))
+    if cfg.tree_total_tokens:
+        out.append(Candidate("eagle3", cfg.tree_name, lambda: Eagle3Proposer(drafter, tree=cfg.tree)))
+    if cfg.draft_model:
+        if not (Path(cfg.draft_model) / "config.json").exists():
+            log(f"report: no draft model at {cfg.draft_model}; its rows are left out")
+            return out
+        from transformers import AutoModelForCausalLM
+
+        draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=torch.float32).to(drafter.fc.weight.device)
+        if cfg.chain_k:
+            out.append(Candidate("draft model", f"chain {cfg.chain_k}", lambda: DraftModelProposer(draft, k=cfg.chain_k)))
+        if cfg.tree_total_tokens:
+            out.append(Candidate("draft model", cfg.tree_name, lambda: DraftModelProposer(draft, tree=cfg.tree)))
+    return out
+
+
+def run_report(
+    target: TargetModel, drafter: Eagle3Drafter, tokenizer, cfg: ReportConfig, out_dir: str | Path, eval_set=None,
+    notes: str = "", log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Measure and write report.json / report.md into ``out_dir``; returns the result rows."""
+    prompts = report_prompts(cfg, tokenizer, eval_set)
+    drafter = drafter.to(target.device).eval()
+    log(f"report: {len(prompts)} held-out prompts, {cfg.max_new_tokens} new tokens, T {cfg.temperatures}, "
+        f"bs {cfg.batch_sizes}")
+    cands = candidates(drafter, cfg, log)
+    for c in cands:  # warm-up outside the timed region (measure() warms vanilla only; first calls pay one-off costs)
+        generate_speculative(target, c.make(), [prompts[0]], SamplingParams(max_new_tokens=8))
+    rows = measure(target, cands, prompts, temperatures=tuple(cfg.temperatures),
+                   max_new_tokens=cfg.max_new_tokens, batch_sizes=tuple(cfg.batch_sizes), log=log)
+    write_report(out_dir, "eagle3", str(target.name_or_path), rows, notes=notes)
+    log(f"report written to {out_dir}/report.md")
+    return rows

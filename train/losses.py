@@ -1,0 +1,79 @@
+"""EAGLE-3 training loss and the simulated τ of DESIGN.md §4 (pure functions; shapes in the docstrings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class TTTLoss:
+    loss: torch.Tensor
+    """Scalar: Σ_i weight^i · (masked mean soft cross-entropy of step i)."""
+    step_loss: list[float]
+    """Per TTT step masked mean loss (detached)."""
+    step_correct: list[int]
+    """Per step: positions where the draft argmax equals the target argmax (inside the mask)."""
+    step_count: list[int]
+    """Per step: positions in the mask."""
+
+
+def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
+    """``out[:, t] = x[:, t + n]`` along dim 1, ``fill`` past the end (any trailing dims)."""
+    T = x.shape[1]
+    if n >= T:
+        return torch.full_like(x, fill)
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], 1)
+
+
+def eagle3_ttt_loss(
+    draft_logits: list[torch.Tensor],
+    target_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    t2d: torch.Tensor,
+    sample_ids: torch.Tensor | None = None,
+    step_weight: float = 0.8,
+) -> TTTLoss:
+    """Soft cross-entropy of every TTT step against the target distribution on the draft vocabulary.
+
+    draft_logits: one [B, T, Vd] per step; step i at position t predicts token t+2+i.
+    target_logits [B, T, V]: the target's logits (position j predicts token j+1), so step i's label distribution
+    is ``softmax(target_logits[:, t+1+i][t2d])``. loss_mask [B, T]: 1 where token t is a training target.
+    sample_ids [B, T] (optional, packed rows): positions t and t+2+i must lie in the same sample.
+    Mask of step i at t = loss_mask[t+2+i] · t2d[argmax target_logits[t+1+i]] (the target's choice is draftable)
+    · same sample; weight of step i = step_weight ** i (EAGLE-3 / SpecForge: 0.8).
+    """
+    target_draft = target_logits[..., t2d].float()  # [B, T, Vd], draft ids ascend with target ids
+    target_argmax = target_logits.argmax(-1)  # [B, T]
+    draftable = t2d[target_argmax]  # [B, T]: the target's top token is in the draft vocabulary
+    target_top_draft = target_draft.argmax(-1)  # its draft id, when draftable
+    mask_tokens = loss_mask.bool()
+    total = torch.zeros((), device=target_logits.device)
+    step_loss, step_correct, step_count = [], [], []
+    for i, logits in enumerate(draft_logits):
+        labels = shift_left(target_draft, 1 + i).softmax(-1)
+        mask = shift_left(mask_tokens, 2 + i, False) & shift_left(draftable, 1 + i, False)
+        if sample_ids is not None:
+            mask &= shift_left(sample_ids, 2 + i, -1) == sample_ids
+        logp = F.log_softmax(logits.float(), dim=-1)
+        per_token = -(labels * logp).sum(-1)
+        count = mask.sum()
+        loss_i = (per_token * mask).sum() / count.clamp(min=1)
+        total = total + (step_weight**i) * loss_i
+        correct = ((logits.argmax(-1) == shift_left(target_top_draft, 1 + i)) & mask).sum()
+        step_loss.append(float(loss_i.detach()))
+        step_correct.append(int(correct))
+        step_count.append(int(count))
+    return TTTLoss(total, step_loss, step_correct, step_count)
+
+
+def simulated_tau(alphas: list[float]) -> float:
+    """DESIGN.md §4: τ ≈ 1 + Σ_k Π_{i≤k} α_i from per-step top-1 agreement α_i (teacher-forced, so an estimate)."""
+    tau, run = 1.0, 1.0
+    for a in alphas:
+        run *= a
+        tau += run
+    return tau

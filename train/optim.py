@@ -1,0 +1,50 @@
+"""Optimiser, learning-rate schedule and precision choice shared by the drafter recipes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; norms and biases (1-D) never decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def warmup_cosine(step: int, total_steps: int, warmup_steps: int, peak_lr: float, min_lr_ratio: float = 0.0) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up to ``peak_lr``, cosine to min_lr_ratio·peak."""
+    if step < warmup_steps:
+        return peak_lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return peak_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def mixed_precision(choice: str) -> str:
+    """Accelerate's ``mixed_precision`` for "auto" / "bf16" / "fp32".
+
+    "auto" is bf16 on CUDA and on CPUs with native bf16 arithmetic (avx512_bf16 / amx_bf16), else fp32: on CPUs
+    without it a bf16 matmul runs ~100x slower than fp32 (measured on this project's build machine).
+    """
+    if choice == "bf16":
+        return "bf16"
+    if choice == "fp32":
+        return "no"
+    if torch.cuda.is_available():
+        return "bf16"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "no"
+    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "no"

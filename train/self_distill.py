@@ -1,0 +1,70 @@
+"""Opt-in self-distilled samples for raw-text drafter training: training prompts continued by the target itself.
+
+A drafter is measured on the target's own continuations (greedy, T = 0, in the reference report); a weak target's
+greedy text repeats itself far more than real code does (distinct-4-gram ratio 0.3 vs 0.85 for the reference target).
+Chat recipes regenerate the assistant turns (``scripts/regenerate.py``, REFERENCE.md); raw-text recipes get the same
+effect here: the first ``prompt_tokens`` tokens of random training samples, continued by the target for
+``new_tokens`` tokens, every token a training target. Written once to a jsonl (``input_ids`` + ``loss_mask``) and
+reused on resume.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+
+from models.target import TargetModel
+
+
+@dataclass
+class SelfDistillConfig:
+    samples: int = 0
+    """Self-distilled samples added to the training set (0 = off)."""
+    prompt_tokens: int = 64
+    """Leading tokens of a training sample used as the prompt."""
+    new_tokens: int = 192
+    """Tokens the target generates after each prompt."""
+    temperature: float = 0.0
+    """0 = greedy (what a T = 0 report measures); > 0 samples."""
+    batch_size: int = 32
+    """Prompts per batched generate call."""
+
+    def __post_init__(self) -> None:
+        if self.samples < 0 or self.prompt_tokens < 1 or self.new_tokens < 1 or self.batch_size < 1:
+            raise ValueError("need samples >= 0 and prompt_tokens, new_tokens, batch_size >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+
+
+@torch.no_grad()
+def write_self_distilled(
+    target: TargetModel, train_set: datasets.Dataset, cfg: SelfDistillConfig, path: str | Path, pad_id: int,
+    seed: int = 0, log=print,
+) -> None:
+    """Generate ``cfg.samples`` continuations of random training prompts and write them as jsonl rows."""
+    rows = train_set.shuffle(seed=seed + 1).filter(lambda ids: len(ids) > cfg.prompt_tokens, input_columns="input_ids")
+    prompts = [ids[: cfg.prompt_tokens] for ids in rows.select(range(min(cfg.samples, len(rows))))["input_ids"]]
+    torch.manual_seed(seed)
+    sampling = {"do_sample": True, "temperature": cfg.temperature, "top_k": 0} if cfg.temperature else {"do_sample": False}
+    out = []
+    for start in range(0, len(prompts), cfg.batch_size):
+        batch = torch.tensor(prompts[start : start + cfg.batch_size], device=target.device)  # equal lengths: no padding
+        generated = target.model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=cfg.new_tokens,
+                                          min_new_tokens=cfg.new_tokens, eos_token_id=None, pad_token_id=pad_id,
+                                          **sampling)
+        out += generated.tolist()
+        log(f"self-distillation: {len(out)}/{len(prompts)} continuations")
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps({"input_ids": ids, "loss_mask": [1] * len(ids)}) + "\n" for ids in out)
+    tmp.replace(path)
+
+
+def load_self_distilled(path: str | Path, features: datasets.Features, cache_dir: str | None = None) -> datasets.Dataset:
+    """The written rows with the training set's features (through load_dataset, so the fingerprint is the file's)."""
+    return datasets.load_dataset("json", data_files=str(path), split="train", features=features, cache_dir=cache_dir)

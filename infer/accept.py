@@ -48,12 +48,17 @@ def _start(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     dev = tree.tokens.device
     path = torch.full((B, n), -1, dtype=torch.int64, device=dev)
     path[:, 0] = 0
-    return (torch.arange(B, device=dev), torch.zeros(B, dtype=torch.int64, device=dev), path,
-            torch.ones(B, dtype=torch.int64, device=dev))
+    return (
+        torch.arange(B, device=dev),
+        torch.zeros(B, dtype=torch.int64, device=dev),
+        path,
+        torch.ones(B, dtype=torch.int64, device=dev),
+    )
 
 
-def _advance(rows: torch.Tensor, cur: torch.Tensor, path: torch.Tensor, length: torch.Tensor, accepted: torch.Tensor,
-             j: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _advance(
+    rows: torch.Tensor, cur: torch.Tensor, path: torch.Tensor, length: torch.Tensor, accepted: torch.Tensor, j: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Move the rows where ``accepted`` [B] holds to node j; returns (cur, length). Writes ``path`` in place.
 
     Before step j a row has accepted at most j-1 drafts, so ``length <= j < n`` is always in range.
@@ -149,8 +154,14 @@ def accept_rejection(tree: DraftTree, p: torch.Tensor, accept_u: torch.Tensor, s
     return AcceptResult(path, length, sample_from_probs(r, sample_u[rows, cur]))
 
 
-def accept_typical(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams, sample_u: torch.Tensor,
-                   epsilon: float = 0.09, delta: float = 0.3) -> AcceptResult:
+def accept_typical(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    sample_u: torch.Tensor,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+) -> AcceptResult:
     """Medusa typical acceptance (Cai et al. 2024, "Medusa", sec. 2.3.1). LOSSY: opt-in only.
 
     The output does *not* follow the target distribution; it trades fidelity for acceptance.

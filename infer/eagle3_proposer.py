@@ -94,8 +94,11 @@ class Eagle3Proposer(Proposer):
         H = self.drafter.config.hidden_size
         if m == 0:  # only happens for one-token prompts before their first round; they get no drafts
             z = torch.zeros(B, H, dtype=self.dtype, device=self.device)
-            return z, torch.zeros(B, self.drafter.config.draft_vocab_size, device=self.device), torch.zeros(
-                B, dtype=torch.bool, device=self.device)
+            return (
+                z,
+                torch.zeros(B, self.drafter.config.draft_vocab_size, device=self.device),
+                torch.zeros(B, dtype=torch.bool, device=self.device),
+            )
         A = self.drafter.fc.in_features
         features = torch.zeros(B, m, A, dtype=self.dtype, device=self.device)
         tokens = torch.zeros(B, m, dtype=torch.long, device=self.device)
@@ -115,8 +118,15 @@ class Eagle3Proposer(Proposer):
         # padded queries see themselves only so no softmax row is empty (their outputs are discarded)
         new_allowed = (causal[None] & valid[:, None, :]) | torch.eye(m, dtype=torch.bool, device=self.device)[None]
         allowed = torch.cat([self.kv_valid[:, None, :].expand(B, m, -1), new_allowed], 2)
-        out = self.drafter.step(self.drafter.project_features(features), tokens, positions, allowed, self.keys,
-                                self.values, with_logits=False)
+        out = self.drafter.step(
+            self.drafter.project_features(features),
+            tokens,
+            positions,
+            allowed,
+            self.keys,
+            self.values,
+            with_logits=False,
+        )
         self._append(out, valid)
         self.fed = [f + n for f, n in zip(self.fed, counts)]
         self.pending = [[] for _ in range(B)]
@@ -179,8 +189,9 @@ class Eagle3Proposer(Proposer):
             if i + 1 < self.k:
                 # the new node sees the row's valid pairs and, through kv_valid, the chain drafted so far
                 allowed = torch.cat([self.kv_valid[:, None, :], one], 2)
-                out = self.drafter.step(hidden[:, None], nxt[:, None], (depth_pos + i)[:, None], allowed,
-                                        self.keys, self.values)
+                out = self.drafter.step(
+                    hidden[:, None], nxt[:, None], (depth_pos + i)[:, None], allowed, self.keys, self.values
+                )
                 self._append(out, one[:, 0])
                 hidden, draft_logits = out.hidden[:, 0], out.logits[:, 0]
         draft_probs = torch.stack(qs + [torch.zeros_like(qs[0])], 1) if qs else None
@@ -208,8 +219,9 @@ class Eagle3Proposer(Proposer):
             own = torch.eye(k, dtype=torch.bool, device=self.device)[None].expand(B, k, k)
             allowed = torch.cat([self.kv_valid[:, None, :start].expand(B, k, -1), frontier_anc, own], 2)
             positions = (pair_count + frontier_depth - 1)[:, None].expand(B, k)
-            out = self.drafter.step(parent_hidden, self.draft_to_target[frontier_ids], positions, allowed, self.keys,
-                                    self.values)
+            out = self.drafter.step(
+                parent_hidden, self.draft_to_target[frontier_ids], positions, allowed, self.keys, self.values
+            )
             self._append(out, torch.ones(B, k, dtype=torch.bool, device=self.device))
             expanded_hidden.append(out.hidden)
             return out.logits.float().log_softmax(-1)

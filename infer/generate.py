@@ -391,8 +391,12 @@ def generate_speculative(
         stats.tree_nodes = max(stats.tree_nodes, n)
         if spec.accept == "typical":
             result = accept_typical(
-                tree, out.logits, params, torch.rand(B, n, generator=gen, device=gen.device),
-                spec.typical_epsilon, spec.typical_delta,
+                tree,
+                out.logits,
+                params,
+                torch.rand(B, n, generator=gen, device=gen.device),
+                spec.typical_epsilon,
+                spec.typical_delta,
             )
         elif params.greedy:
             result = verify_greedy(tree, out.logits)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
 from infer.generate import Proposer, _additive_mask
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
+from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
 
 
 def _pack_rows(rows: list[list[int]], parents: list[list[int]], device) -> DraftTree:
@@ -47,7 +47,10 @@ class PromptLookupProposer(Proposer):
         if num_draft < 1 or num_candidates < 1:
             raise ValueError("num_draft and num_candidates must be >= 1")
         self.num_draft, self.max_ngram, self.min_ngram, self.num_candidates = (
-            num_draft, max_ngram, min_ngram, num_candidates
+            num_draft,
+            max_ngram,
+            min_ngram,
+            num_candidates,
         )
         self.device = torch.device("cpu")
 
@@ -123,7 +126,9 @@ class DraftModelProposer(Proposer):
         self.kv_valid = self.kv_valid.index_select(0, keep)
         self.cached = [self.cached[i] for i in keep.tolist()]
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, new_allowed: torch.Tensor, new_valid: torch.Tensor):
+    def _forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, new_allowed: torch.Tensor, new_valid: torch.Tensor
+    ):
         """Append [B, m] tokens; ``new_allowed[b, i, j]``: token i may see new token j. Returns logits."""
         B, m = tokens.shape
         allowed = torch.cat([self.kv_valid[:, None, :].expand(B, m, -1), new_allowed], 2)

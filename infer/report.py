@@ -42,8 +42,9 @@ class Candidate:
 
 
 def _hf_generate_seconds(model, prompt: list[int], params: SamplingParams) -> tuple[int, float]:
-    kw = dict(max_new_tokens=params.max_new_tokens, min_new_tokens=params.max_new_tokens, pad_token_id=0,
-              eos_token_id=None)
+    kw = dict(
+        max_new_tokens=params.max_new_tokens, min_new_tokens=params.max_new_tokens, pad_token_id=0, eos_token_id=None
+    )
     if params.greedy:
         kw["do_sample"] = False
     else:
@@ -98,25 +99,38 @@ def measure(
             for c in candidates:
                 tok, sec, stats, same, compared = acc[c.proposer + c.setting]
                 merged = GenerationStats(
-                    new_tokens=sum(s.new_tokens for s in stats), row_forwards=sum(s.row_forwards for s in stats))
-                att = [sum(s.attempted_at_depth[k] for s in stats if k < len(s.attempted_at_depth))
-                       for k in range(max(len(s.attempted_at_depth) for s in stats))]
-                accd = [sum(s.accepted_at_depth[k] for s in stats if k < len(s.accepted_at_depth))
-                        for k in range(len(att))]
+                    new_tokens=sum(s.new_tokens for s in stats), row_forwards=sum(s.row_forwards for s in stats)
+                )
+                att = [
+                    sum(s.attempted_at_depth[k] for s in stats if k < len(s.attempted_at_depth))
+                    for k in range(max(len(s.attempted_at_depth) for s in stats))
+                ]
+                accd = [
+                    sum(s.accepted_at_depth[k] for s in stats if k < len(s.accepted_at_depth)) for k in range(len(att))
+                ]
                 row = {
-                    "proposer": c.proposer, "setting": c.setting, "temperature": temp, "batch_size": bs,
-                    "tau": merged.tau, "speedup": (tok / sec) / base, "tokens_per_s": tok / sec,
-                    "vanilla_tokens_per_s": base, "our_vanilla_tokens_per_s": vanilla_tps,
+                    "proposer": c.proposer,
+                    "setting": c.setting,
+                    "temperature": temp,
+                    "batch_size": bs,
+                    "tau": merged.tau,
+                    "speedup": (tok / sec) / base,
+                    "tokens_per_s": tok / sec,
+                    "vanilla_tokens_per_s": base,
+                    "our_vanilla_tokens_per_s": vanilla_tps,
                     "hf_generate_tokens_per_s": hf_tok / hf_s if hf_s else None,
                     "alpha": [a / t if t else 0.0 for a, t in zip(accd, att)],
                     "greedy_identical": same / compared if compared else None,
-                    "prompts": sum(len(b) for b in batches), "max_new_tokens": max_new_tokens,
+                    "prompts": sum(len(b) for b in batches),
+                    "max_new_tokens": max_new_tokens,
                     "lossy": bool(c.spec and c.spec.accept == "typical"),
                 }
                 rows.append(row)
-                log(f"T={temp} bs={bs} {c.proposer} ({c.setting}): τ {row['tau']:.2f}, "
+                log(
+                    f"T={temp} bs={bs} {c.proposer} ({c.setting}): τ {row['tau']:.2f}, "
                     f"{row['tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f}x"
-                    + (f", greedy identical {row['greedy_identical']:.2f}" if compared else ""))
+                    + (f", greedy identical {row['greedy_identical']:.2f}" if compared else "")
+                )
     return rows
 
 
@@ -124,17 +138,27 @@ def write_report(out_dir: str | Path, method: str, target_name: str, rows: list[
     """``report.json`` (schema above) and a markdown table ``report.md`` in ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"method": method, "target": target_name, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "machine": f"{platform.machine()} torch {torch.__version__} threads {torch.get_num_threads()}",
-              "results": rows}
+    report = {
+        "method": method,
+        "target": target_name,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": f"{platform.machine()} torch {torch.__version__} threads {torch.get_num_threads()}",
+        "results": rows,
+    }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = [f"# {method} report", "", f"Target: `{target_name}`. {notes}".strip(), "",
-             "| proposer | setting | T | bs | τ | speedup | tokens/s | vanilla tokens/s | α | greedy identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# {method} report",
+        "",
+        f"Target: `{target_name}`. {notes}".strip(),
+        "",
+        "| proposer | setting | T | bs | τ | speedup | tokens/s | vanilla tokens/s | α | greedy identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         gi = "–" if r["greedy_identical"] is None else f"{r['greedy_identical']:.2f}"
         lines.append(
             f"| {r['proposer']}{' (lossy)' if r['lossy'] else ''} | {r['setting']} | {r['temperature']} | "
             f"{r['batch_size']} | {r['tau']:.2f} | {r['speedup']:.2f}x | {r['tokens_per_s']:.1f} | "
-            f"{r['vanilla_tokens_per_s']:.1f} | {' '.join(f'{a:.2f}' for a in r['alpha'][:8])} | {gi} |")
+            f"{r['vanilla_tokens_per_s']:.1f} | {' '.join(f'{a:.2f}' for a in r['alpha'][:8])} | {gi} |"
+        )
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -66,7 +66,9 @@ class DraftTree:
         return mask
 
 
-def chain(tokens: torch.Tensor, draft_probs: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> DraftTree:
+def chain(
+    tokens: torch.Tensor, draft_probs: torch.Tensor | None = None, valid: torch.Tensor | None = None
+) -> DraftTree:
     """A chain draft: ``tokens[B, n]`` = root followed by n-1 drafts, each the child of the previous."""
     B, n = tokens.shape
     parents = torch.arange(-1, n - 1, device=tokens.device).expand(B, n).clone()

@@ -77,8 +77,9 @@ def build_dynamic_tree(
         top_scores, top_idx = child_scores.topk(k, dim=-1)
         parent_slot = top_idx // k  # which frontier node (0..k-1) each new frontier node hangs from
         expanded_now = torch.nn.functional.one_hot(parent_slot, k).bool()
-        ancestors = torch.cat([ancestors.gather(1, parent_slot[..., None].expand(-1, -1, ancestors.shape[2])),
-                               expanded_now], 2)
+        ancestors = torch.cat(
+            [ancestors.gather(1, parent_slot[..., None].expand(-1, -1, ancestors.shape[2])), expanded_now], 2
+        )
         frontier_ids = 1 + n_cands + top_idx
         frontier_scores = top_scores
         frontier_tokens = child_tokens.gather(1, top_idx)
@@ -140,5 +141,6 @@ def build_static_tree(
         for fi, node in enumerate(frontier):
             fill(node, logp[:, fi])
         expanded += frontier
-    return DraftTree(tokens, torch.tensor(parents, device=dev).expand(B, n).clone(),
-                     torch.ones(B, n, dtype=torch.bool, device=dev))
+    return DraftTree(
+        tokens, torch.tensor(parents, device=dev).expand(B, n).clone(), torch.ones(B, n, dtype=torch.bool, device=dev)
+    )

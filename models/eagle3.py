@@ -100,9 +100,18 @@ class Eagle3Config:
     """Std of the normal init of the trainable linear layers."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "vocab_size", "draft_vocab_size", "target_hidden_size", "num_aux_layers",
-                     "max_position_embeddings"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "draft_vocab_size",
+            "target_hidden_size",
+            "num_aux_layers",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -274,7 +283,11 @@ class Eagle3Attention(nn.Module):
 
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.q_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
@@ -395,15 +408,19 @@ class Eagle3Drafter(nn.Module):
 
     def copy_embedding(self, weight: torch.Tensor) -> None:
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
-            raise ValueError(f"target embedding {tuple(weight.shape)} != drafter {tuple(self.embed_tokens.weight.shape)}")
+            raise ValueError(
+                f"target embedding {tuple(weight.shape)} != drafter {tuple(self.embed_tokens.weight.shape)}"
+            )
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
 
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft vocabulary maps (``train/draft_vocab.py`` builds them)."""
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ValueError(f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not fit "
-                             f"{tuple(self.d2t.shape)} / {tuple(self.t2d.shape)}")
+            raise ValueError(
+                f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not fit "
+                f"{tuple(self.d2t.shape)} / {tuple(self.t2d.shape)}"
+            )
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
@@ -431,11 +448,16 @@ class Eagle3Drafter(nn.Module):
     def save_pretrained(self, path: str | Path) -> None:
         """config.json (Eagle3Config + ``drafters`` block) and model.safetensors; bit-exact on reload."""
         if self.target_info is None:
-            raise ValueError("target_info is unset: build the drafter with from_target so the checkpoint names its target")
+            raise ValueError(
+                "target_info is unset: build the drafter with from_target so the checkpoint names its target"
+            )
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        config = {"architectures": ["Eagle3Drafter"], **dataclasses.asdict(self.config),
-                  "drafters": dataclasses.asdict(self.target_info)}
+        config = {
+            "architectures": ["Eagle3Drafter"],
+            **dataclasses.asdict(self.config),
+            "drafters": dataclasses.asdict(self.target_info),
+        }
         (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state_dict().items()}
         save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt", "drafters_method": METHOD})
@@ -488,8 +510,9 @@ class Eagle3Drafter(nn.Module):
         q, k, v = attn_mod.qkv(x, cos, sin)
         keys = k if past_keys is None else torch.cat([past_keys, k], 2)
         values = v if past_values is None else torch.cat([past_values, v], 2)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None],
-                                              enable_gqa=attn_mod.num_heads != attn_mod.num_kv_heads)
+        attn = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=allowed[:, None], enable_gqa=attn_mod.num_heads != attn_mod.num_kv_heads
+        )
         h = self.midlayer.finish(hidden, attn_mod.out(attn))
         return StepOutput(h, self.compute_logits(h) if with_logits else None, keys, values)
 

@@ -109,8 +109,12 @@ def speculators_config(drafter: Eagle3Drafter, speculative_tokens: int = DEFAULT
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [
-                {"proposal_type": "greedy", "speculative_tokens": speculative_tokens, "verifier_accept_k": 1,
-                 "accept_tolerance": 0.0}
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
             ],
             "default_proposal_method": "greedy",
             "verifier": {
@@ -140,6 +144,9 @@ def _write(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor]) 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return out

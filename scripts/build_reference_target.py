@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from train.optim import adamw, mixed_precision, set_lr, warmup_cosine  # noqa: E402
 from train.stdlib_corpus import (  # noqa: E402
     HELDOUT_PERCENT,
     distinct_ngram_ratio,
@@ -143,9 +143,14 @@ def continuation_quality(model, tokenizer, n_prompts: int = 32, new_tokens: int 
     ratios, refs, samples = [], [], []
     for p in prompts:
         x = torch.tensor([p["prompt_ids"]])
-        out = model.generate(x, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens,
-                             pad_token_id=tokenizer.pad_token_id)
-        gen = out[0, x.shape[1]:].tolist()
+        out = model.generate(
+            x,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            min_new_tokens=new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        gen = out[0, x.shape[1] :].tolist()
         ratios.append(distinct_ngram_ratio(gen))
         refs.append(distinct_ngram_ratio(p["reference_ids"]))
         samples.append({"source": p["source"], "prompt": p["prompt"], "continuation": tokenizer.decode(gen)})
@@ -158,32 +163,6 @@ def continuation_quality(model, tokenizer, n_prompts: int = 32, new_tokens: int 
 
 
 # --------------------------------------------------------------------------- training
-def mixed_precision(choice: str) -> str:
-    """bf16 autocast only where the hardware has bf16 arithmetic.
-
-    Measured on an AMD EPYC without AVX-512: a bf16 1024² matmul ran at ~1 GFLOP/s against
-    ~150 GFLOP/s in fp32, so bf16 autocast made training ~20x slower there, while on CPUs with
-    AVX-512 BF16 it is ~2x faster (DESIGN.md §7).
-    """
-    if choice != "auto":
-        return "bf16" if choice == "bf16" else "no"
-    if torch.cuda.is_available():
-        return "bf16"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "no"
-    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "no"
-
-
-def lr_at(step: int, preset: Preset) -> float:
-    """Linear warm-up then cosine decay to 10 % of the peak."""
-    if step < preset.warmup_steps:
-        return preset.lr * (step + 1) / preset.warmup_steps
-    progress = (step - preset.warmup_steps) / max(1, preset.max_steps - preset.warmup_steps)
-    return preset.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
 def _take_bytes(files: list, budget: int) -> list:
     out = []
     for f in files:
@@ -203,8 +182,12 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=50, help="steps between resumable states")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
-                    help="auto: bf16 autocast on CUDA or on CPUs with native bf16 (avx512_bf16/amx), else fp32")
+    ap.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="auto: bf16 autocast on CUDA or on CPUs with native bf16 (avx512_bf16/amx), else fp32",
+    )
     args = ap.parse_args()
 
     from accelerate import Accelerator
@@ -260,12 +243,7 @@ def main() -> None:
     model = LlamaForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {preset.num_layers} x {preset.hidden_size}, {n_params / 1e6:.2f} M parameters")
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=preset.lr, betas=(0.9, 0.95),
-    )
+    optimizer = adamw(model, preset.lr, weight_decay=0.1)
     accelerator = Accelerator(mixed_precision=mixed_precision(args.precision), cpu=not torch.cuda.is_available())
     print(f"precision: {accelerator.mixed_precision}")
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -279,8 +257,9 @@ def main() -> None:
         print(f"resumed at step {step}")
     train = streams["train"]
     if step == 0:
-        init_loss = heldout_loss(accelerator.unwrap_model(model), streams["heldout"], preset.seq_len,
-                                 min(8, preset.eval_windows))
+        init_loss = heldout_loss(
+            accelerator.unwrap_model(model), streams["heldout"], preset.seq_len, min(8, preset.eval_windows)
+        )
         (work / "initial_loss.json").write_text(json.dumps({"heldout_loss": init_loss}))
 
     # ---- loop
@@ -292,8 +271,8 @@ def main() -> None:
         starts = rng.integers(0, len(train) - preset.seq_len - 1, preset.batch_size)
         x = torch.from_numpy(np.stack([train[s : s + preset.seq_len] for s in starts]).astype(np.int64))
         x = x.to(accelerator.device)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, preset)
+        # linear warm-up, then cosine decay to 10 % of the peak
+        set_lr(optimizer, warmup_cosine(step, preset.max_steps, preset.warmup_steps, preset.lr, min_lr_ratio=0.1))
         model.train()
         with accelerator.autocast():
             loss = train_model(input_ids=x, labels=x).loss
@@ -327,8 +306,12 @@ def main() -> None:
     tokenizer.save_pretrained(out)
     reloaded = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
     loss = heldout_loss(reloaded, streams["heldout"], preset.seq_len, preset.eval_windows)
-    quality = continuation_quality(reloaded, tokenizer, n_prompts=32 if args.preset != "tiny" else 4,
-                                   new_tokens=128 if args.preset != "tiny" else 16)
+    quality = continuation_quality(
+        reloaded,
+        tokenizer,
+        n_prompts=32 if args.preset != "tiny" else 4,
+        new_tokens=128 if args.preset != "tiny" else 16,
+    )
     info = {
         "preset": args.preset,
         "preset_config": asdict(preset),
@@ -340,7 +323,8 @@ def main() -> None:
         "tokens_trained": int(preset.max_steps * preset.batch_size * preset.seq_len),
         "heldout_loss": loss,
         "heldout_loss_at_init": json.loads((work / "initial_loss.json").read_text())["heldout_loss"]
-        if (work / "initial_loss.json").exists() else None,
+        if (work / "initial_loss.json").exists()
+        else None,
         "heldout_eval": {"seq_len": preset.seq_len, "windows": preset.eval_windows, "dtype": "float32"},
         "distinct4_greedy_128": quality["distinct4_greedy"],
         "distinct4_heldout_reference": quality["distinct4_reference_text"],

@@ -1,9 +1,9 @@
 """The ``drafters`` command.
 
-    drafters quickstart [--max-new-tokens N] [--prompts N]   # reference target: sample + τ + speedup
-    drafters bench [args of eval.bench_runtime]               # full runtime benchmark
-    drafters build-target [args of scripts/build_reference_target.py]
-    drafters regenerate [args of scripts/regenerate.py]       # self-distillation of a chat dataset
+drafters quickstart [--max-new-tokens N] [--prompts N]   # reference target: sample + τ + speedup
+drafters bench [args of eval.bench_runtime]               # full runtime benchmark
+drafters build-target [args of scripts/build_reference_target.py]
+drafters regenerate [args of scripts/regenerate.py]       # self-distillation of a chat dataset
 """
 
 from __future__ import annotations
@@ -41,16 +41,20 @@ def quickstart(argv: list[str]) -> None:
     draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
     n_target = sum(p.numel() for p in target.model.parameters()) / 1e6
     n_draft = sum(p.numel() for p in draft.parameters()) / 1e6
-    print(f"reference target {n_target:.1f} M params, draft model {n_draft:.1f} M params "
-          f"(loaded in {time.time() - t0:.1f}s)")
+    print(
+        f"reference target {n_target:.1f} M params, draft model {n_draft:.1f} M params "
+        f"(loaded in {time.time() - t0:.1f}s)"
+    )
     samples = heldout_prompts(tokenizer, n=args.prompts)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
     eos = (tokenizer.eos_token_id,)
 
     first = samples[0]
     out = generate_vanilla(target, [first["prompt_ids"]], params, eos)
-    print(f"\n--- held-out prompt ({first['source']}) ---\n{first['prompt']}"
-          f"\n--- greedy continuation ---\n{tokenizer.decode(out.tokens[0])}\n")
+    print(
+        f"\n--- held-out prompt ({first['source']}) ---\n{first['prompt']}"
+        f"\n--- greedy continuation ---\n{tokenizer.decode(out.tokens[0])}\n"
+    )
 
     methods = {
         "vanilla": None,
@@ -71,8 +75,9 @@ def quickstart(argv: list[str]) -> None:
     print(f"{'method':<24}{'tau':>6}{'tokens/s':>10}{'speedup':>9}  greedy identical")
     for name, (tok, sec, fwd, same) in totals.items():
         print(f"{name:<24}{tok / fwd:>6.2f}{tok / sec:>10.1f}{tok / sec / base:>8.2f}x  {same}")
-    print(f"\n{len(samples)} held-out prompts, T=0, max_new_tokens {args.max_new_tokens}; "
-          "full benchmark: drafters bench")
+    print(
+        f"\n{len(samples)} held-out prompts, T=0, max_new_tokens {args.max_new_tokens}; full benchmark: drafters bench"
+    )
 
 
 def _run_script(path: Path, argv: list[str]) -> None:

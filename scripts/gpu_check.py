@@ -72,12 +72,19 @@ class Checker:
             times.append(time.perf_counter() - t0)
         return statistics.median(times) * 1e3
 
-    def add(self, op: str, shape: str, ref_fn: Callable[[], object] | None, kernel_fn: Callable[[], object] | None,
-            ok: bool, result: str) -> None:
+    def add(
+        self,
+        op: str,
+        shape: str,
+        ref_fn: Callable[[], object] | None,
+        kernel_fn: Callable[[], object] | None,
+        ok: bool,
+        result: str,
+    ) -> None:
         t_ref = self.median_ms(ref_fn) if ref_fn else float("nan")
         t_ker = self.median_ms(kernel_fn) if kernel_fn else float("nan")
         speed = f"{t_ref / t_ker:.1f}x" if ref_fn and kernel_fn else ""
-        fmt = (lambda t: "" if t != t else f"{t:.3f}")  # noqa: E731  (nan -> empty cell)
+        fmt = lambda t: "" if t != t else f"{t:.3f}"  # noqa: E731  (nan -> empty cell)
         self.rows.append((op, shape, fmt(t_ref), fmt(t_ker), speed, ("ok: " if ok else "FAIL: ") + result))
         if not ok:
             self.failures.append(f"{op} {shape}: {result}")
@@ -92,19 +99,21 @@ class Checker:
 
 # ------------------------------------------------------------------------------------------------ inputs
 
+
 def random_tree_shape(B: int, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """parents, valid [B, n] on the CPU: random trees biased to depth, ragged valid counts (>= 3/4 of n)."""
     parents = torch.empty(B, n, dtype=torch.int64)
     parents[:, 0] = -1
     for j in range(1, n):
-        parents[:, j] = torch.maximum(torch.randint(0, j, (B,), generator=gen), torch.randint(0, j, (B,), generator=gen))
+        parents[:, j] = torch.maximum(
+            torch.randint(0, j, (B,), generator=gen), torch.randint(0, j, (B,), generator=gen)
+        )
     real = torch.randint((3 * n) // 4, n + 1, (B,), generator=gen)
     valid = torch.arange(n)[None, :] < real[:, None]
     return parents, valid
 
 
-def greedy_inputs(B: int, n: int, V: int, seed: int, device: str, ties: bool = False
-                  ) -> tuple[DraftTree, torch.Tensor]:
+def greedy_inputs(B: int, n: int, V: int, seed: int, device: str, ties: bool = False) -> tuple[DraftTree, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     parents, valid = random_tree_shape(B, n, gen)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -122,8 +131,9 @@ def greedy_inputs(B: int, n: int, V: int, seed: int, device: str, ties: bool = F
     return DraftTree(tokens, parents, valid), logits
 
 
-def rejection_inputs(B: int, n: int, V: int, seed: int, device: str, draft: str
-                     ) -> tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]:
+def rejection_inputs(
+    B: int, n: int, V: int, seed: int, device: str, draft: str
+) -> tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]:
     """draft: 'stochastic' (each node drawn from q at its parent), 'onehot' (q = None, tokens = the draft's
     top choices among siblings) or 'degenerate' (top-k zeros in p and q, a row with p = q / 2)."""
     gen = torch.Generator().manual_seed(seed)
@@ -156,6 +166,7 @@ def rejection_inputs(B: int, n: int, V: int, seed: int, device: str, draft: str
 
 # ------------------------------------------------------------------------------------------- comparisons
 
+
 def same_rows(a: AcceptResult, b: AcceptResult) -> torch.Tensor:
     return (a.path == b.path).all(1) & (a.length == b.length) & (a.bonus == b.bonus)
 
@@ -168,15 +179,17 @@ def select_rows(tree: DraftTree, idx: list[int], *tensors: torch.Tensor) -> tupl
     return (sub, *(t[i].cpu() for t in tensors))
 
 
-def compare_rejection(tree: DraftTree, p: torch.Tensor, au: torch.Tensor, su: torch.Tensor, got: AcceptResult,
-                      ref: AcceptResult) -> tuple[bool, str]:
+def compare_rejection(
+    tree: DraftTree, p: torch.Tensor, au: torch.Tensor, su: torch.Tensor, got: AcceptResult, ref: AcceptResult
+) -> tuple[bool, str]:
     same = same_rows(got, ref)
     diff = (~same).nonzero().flatten().tolist()
     B = tree.batch_size
     if not diff:
         return True, f"identical {B}/{B} rows"
     sub_tree, sub_p, sub_au, sub_su, gp, gl, gb, rp, rl, rb = select_rows(
-        tree, diff, p, au, su, got.path, got.length, got.bonus, ref.path, ref.length, ref.bonus)
+        tree, diff, p, au, su, got.path, got.length, got.bonus, ref.path, ref.length, ref.bonus
+    )
     d_got = rejection_disagreement(sub_tree, sub_p, sub_au, sub_su, AcceptResult(gp, gl, gb))
     d_ref = rejection_disagreement(sub_tree, sub_p, sub_au, sub_su, AcceptResult(rp, rl, rb))
     worst = float(torch.maximum(d_got, d_ref).max())
@@ -190,17 +203,30 @@ def check_greedy(c: Checker, B: int, n: int, V: int, seed: int) -> None:
     ref = accept_greedy(tree, logits)
     mean_len = f"mean accepted {float(ref.length.float().mean()) - 1:.2f}"
     ok = bool(same_rows(verify_greedy(tree, logits, force_triton=True), ref).all())
-    c.add("greedy, fp32 logits", shape, lambda: accept_greedy(tree, logits),
-          lambda: verify_greedy(tree, logits, force_triton=True), ok, f"bit-identical, {mean_len}")
+    c.add(
+        "greedy, fp32 logits",
+        shape,
+        lambda: accept_greedy(tree, logits),
+        lambda: verify_greedy(tree, logits, force_triton=True),
+        ok,
+        f"bit-identical, {mean_len}",
+    )
     bf = logits.bfloat16()
     ref_bf = accept_greedy(tree, bf)
     ok = bool(same_rows(verify_greedy(tree, bf, force_triton=True), ref_bf).all())
-    c.add("greedy, bf16 logits", shape, lambda: accept_greedy(tree, bf),
-          lambda: verify_greedy(tree, bf, force_triton=True), ok, "bit-identical")
+    c.add(
+        "greedy, bf16 logits",
+        shape,
+        lambda: accept_greedy(tree, bf),
+        lambda: verify_greedy(tree, bf, force_triton=True),
+        ok,
+        "bit-identical",
+    )
     tstar = bf.argmax(-1)
     ok = bool(same_rows(verify_greedy(tree, tstar, force_triton=True), ref_bf).all())
-    c.add("greedy, argmax input", shape, None, lambda: verify_greedy(tree, tstar, force_triton=True), ok,
-          "bit-identical")
+    c.add(
+        "greedy, argmax input", shape, None, lambda: verify_greedy(tree, tstar, force_triton=True), ok, "bit-identical"
+    )
 
 
 def check_rejection(c: Checker, B: int, n: int, V: int, seed: int, draft: str) -> None:
@@ -210,12 +236,19 @@ def check_rejection(c: Checker, B: int, n: int, V: int, seed: int, draft: str) -
     ok, result = compare_rejection(tree, p, au, su, got, ref)
     result += f", mean accepted {float(ref.length.float().mean()) - 1:.2f}"
     timed = draft != "degenerate"
-    c.add(f"rejection, {draft} q", f"B={B} n={n} V={V}", (lambda: accept_rejection(tree, p, au, su)) if timed else None,
-          (lambda: verify_rejection(tree, p, au, su, force_triton=True)) if timed else None, ok, result)
+    c.add(
+        f"rejection, {draft} q",
+        f"B={B} n={n} V={V}",
+        (lambda: accept_rejection(tree, p, au, su)) if timed else None,
+        (lambda: verify_rejection(tree, p, au, su, force_triton=True)) if timed else None,
+        ok,
+        result,
+    )
 
 
-def kv_case(B: int, H: int, S: int, D: int, n_tree: int, seed: int, device: str, dtype: torch.dtype
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_case(
+    B: int, H: int, S: int, D: int, n_tree: int, seed: int, device: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A cache whose last ``n_tree`` positions hold a verified tree: keep the prefix plus a random accepted
     subset of the tree positions (ragged over rows: short rows are padded with the root position)."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -231,15 +264,30 @@ def kv_case(B: int, H: int, S: int, D: int, n_tree: int, seed: int, device: str,
     return kv, keep
 
 
-def check_kv(c: Checker, B: int, H: int, S: int, D: int, seed: int, dtype: torch.dtype = torch.bfloat16,
-             timed: bool = True, strided: bool = False) -> None:
+def check_kv(
+    c: Checker,
+    B: int,
+    H: int,
+    S: int,
+    D: int,
+    seed: int,
+    dtype: torch.dtype = torch.bfloat16,
+    timed: bool = True,
+    strided: bool = False,
+) -> None:
     kv, keep = kv_case(B, H, S, D, min(60, S // 2), seed, c.device, dtype)
     if strided:  # cache stored [B, S, H, D], seen as [B, H, S, D]
         kv = kv.transpose(1, 2).contiguous().transpose(1, 2)
     ok = torch.equal(compact_kv(kv, keep, force_triton=True), compact_kv_reference(kv, keep))
     name = f"compact_kv, {str(dtype).removeprefix('torch.')}" + (", strided" if strided else "")
-    c.add(name, f"[{B}, {H}, {S}, {D}] keep {keep.shape[1]}", (lambda: compact_kv_reference(kv, keep)) if timed else None,
-          (lambda: compact_kv(kv, keep, force_triton=True)) if timed else None, ok, "bit-identical")
+    c.add(
+        name,
+        f"[{B}, {H}, {S}, {D}] keep {keep.shape[1]}",
+        (lambda: compact_kv_reference(kv, keep)) if timed else None,
+        (lambda: compact_kv(kv, keep, force_triton=True)) if timed else None,
+        ok,
+        "bit-identical",
+    )
 
 
 def main() -> int:
@@ -254,7 +302,14 @@ def main() -> int:
         print("gpu_check.py needs CUDA (no CUDA device is visible); use --smoke-cpu to test the script on a CPU.")
         return 2
     else:
-        device, Bs, ns, Vs, kv_shape, repeats = "cuda", (1, 16, 64), (16, 60), (8192, 128256), (8, 2048, 128), args.repeats
+        device, Bs, ns, Vs, kv_shape, repeats = (
+            "cuda",
+            (1, 16, 64),
+            (16, 60),
+            (8192, 128256),
+            (8, 2048, 128),
+            args.repeats,
+        )
     c = Checker(device, repeats)
     t_start = time.perf_counter()
     seed = 0
@@ -282,22 +337,32 @@ def main() -> int:
 
     if device == "cuda":
         import triton
-        env = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-               f"CUDA {torch.version.cuda}")
+
+        env = (
+            f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"CUDA {torch.version.cuda}"
+        )
     else:
         env = "CPU smoke run (Triton interpreter): timings are meaningless"
     status = "all checks passed" if not c.failures else f"{len(c.failures)} checks FAILED"
-    report = "\n".join([
-        "# GPU check of the verify kernels", "",
-        f"Generated by `python scripts/gpu_check.py` on {env}; {status}; {wall:.0f} s in all.", "",
-        f"Times: median of {repeats} calls after two warm-up calls, each call bracketed by "
-        "`torch.cuda.synchronize()`. torch = the reference (`infer.accept`, `torch.gather`), triton = "
-        "`infer/kernels` with `force_triton=True`. Greedy and compaction must be bit-identical; rejection "
-        f"rows may differ only at rounding-level ties (float64 replay distance <= {TIE_TOL:g}, at most "
-        f"{MAX_TIE_FRACTION:.0%} of rows). Trees: random parents biased to depth, 3/4 to all nodes valid; "
-        "greedy drafts copy the target argmax with prob 0.7; rejection drafts are sampled from q (stochastic) "
-        "or are q's top choices (one-hot); KV keeps the prefix plus ~10% of the last 60 positions.", "",
-        c.table(), ""])
+    report = "\n".join(
+        [
+            "# GPU check of the verify kernels",
+            "",
+            f"Generated by `python scripts/gpu_check.py` on {env}; {status}; {wall:.0f} s in all.",
+            "",
+            f"Times: median of {repeats} calls after two warm-up calls, each call bracketed by "
+            "`torch.cuda.synchronize()`. torch = the reference (`infer.accept`, `torch.gather`), triton = "
+            "`infer/kernels` with `force_triton=True`. Greedy and compaction must be bit-identical; rejection "
+            f"rows may differ only at rounding-level ties (float64 replay distance <= {TIE_TOL:g}, at most "
+            f"{MAX_TIE_FRACTION:.0%} of rows). Trees: random parents biased to depth, 3/4 to all nodes valid; "
+            "greedy drafts copy the target argmax with prob 0.7; rejection drafts are sampled from q (stochastic) "
+            "or are q's top choices (one-hot); KV keeps the prefix plus ~10% of the last 60 positions.",
+            "",
+            c.table(),
+            "",
+        ]
+    )
     print()
     print(report)
     out = Path(args.out)

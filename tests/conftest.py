@@ -20,9 +20,16 @@ def tiny_llama(vocab: int = 97, layers: int = 2, hidden: int = 32, seed: int = 0
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        attn_implementation="sdpa", **kw,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        **kw,
     )
     model = LlamaForCausalLM(cfg).eval()
     # sharpen the random logits so greedy decisions are far from numerical ties

@@ -21,8 +21,12 @@ def argmax_logits(best: list[list[int]]) -> torch.Tensor:
     return logits
 
 
-def tree(tokens: list[list[int]], parents: list[int], valid: list[list[bool]] | None = None,
-         draft_probs: torch.Tensor | None = None) -> DraftTree:
+def tree(
+    tokens: list[list[int]],
+    parents: list[int],
+    valid: list[list[bool]] | None = None,
+    draft_probs: torch.Tensor | None = None,
+) -> DraftTree:
     B, n = len(tokens), len(parents)
     v = torch.ones(B, n, dtype=torch.bool) if valid is None else torch.tensor(valid)
     return DraftTree(torch.tensor(tokens), torch.tensor(parents).expand(B, n).clone(), v, draft_probs)
@@ -93,8 +97,7 @@ def test_invalid_nodes_are_never_accepted() -> None:
     # the same for the stochastic rules: an invalid node whose token has target mass 1 is still skipped
     p = target_probs(argmax_logits([[4, 1, 2]]), SamplingParams())
     assert_result(accept_rejection(sib, p, torch.zeros(1, 3), torch.zeros(1, 3)), [[0, 2]], [2])
-    assert_result(accept_typical(sib, argmax_logits([[4, 1, 2]]), SamplingParams(), torch.zeros(1, 3)),
-                  [[0, 2]], [2])
+    assert_result(accept_typical(sib, argmax_logits([[4, 1, 2]]), SamplingParams(), torch.zeros(1, 3)), [[0, 2]], [2])
 
 
 def test_greedy_ragged_batch() -> None:
@@ -107,8 +110,9 @@ def test_greedy_ragged_batch() -> None:
 def test_greedy_matches_reference_walk_on_random_trees_and_chains() -> None:
     gen = torch.Generator().manual_seed(1)
     B, n, v = 64, 12, 3  # tiny vocab so that matches are frequent
-    parents = torch.stack([torch.cat([torch.tensor([-1, 0]), torch.randint(0, 1 << 30, (n - 2,), generator=gen)])
-                           for _ in range(B)])
+    parents = torch.stack(
+        [torch.cat([torch.tensor([-1, 0]), torch.randint(0, 1 << 30, (n - 2,), generator=gen)]) for _ in range(B)]
+    )
     parents[:, 2:] = parents[:, 2:] % torch.arange(2, n)  # parent < index
     valid = torch.rand(B, n, generator=gen) > 0.1
     valid[:, 0] = True

@@ -187,9 +187,15 @@ def test_rejection_sampling_is_lossless(name: str) -> None:
 # Wrong rules: the check above must reject each of them.
 
 
-def _walk(tree: DraftTree, p: torch.Tensor, accept_u: torch.Tensor, sample_u: torch.Tensor,
-          accept: Callable[..., torch.Tensor], residual: Callable[..., torch.Tensor],
-          update_q: bool = True) -> AcceptResult:
+def _walk(
+    tree: DraftTree,
+    p: torch.Tensor,
+    accept_u: torch.Tensor,
+    sample_u: torch.Tensor,
+    accept: Callable[..., torch.Tensor],
+    residual: Callable[..., torch.Tensor],
+    update_q: bool = True,
+) -> AcceptResult:
     """Tree walk with pluggable test and residual (same skeleton as infer.accept, stochastic q only).
 
     ``accept(r, q, x, u) -> bool [B]``; ``residual(r, q, x) -> [B, V]`` the target after rejecting x.
@@ -228,13 +234,19 @@ def _correct_residual(r: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torc
 
 def explainer_rule(tree: DraftTree, p: torch.Tensor, accept_u: torch.Tensor, sample_u: torch.Tensor) -> AcceptResult:
     """WRONG (popular explainers): accept x if q(x) >= p(x), else sample from softmax(q - p)."""
-    return _walk(tree, p, accept_u, sample_u,
-                 lambda r, q, x, u: q.gather(1, x).squeeze(1) >= r.gather(1, x).squeeze(1),
-                 lambda r, q, x: (q - r).softmax(-1))
+    return _walk(
+        tree,
+        p,
+        accept_u,
+        sample_u,
+        lambda r, q, x, u: q.gather(1, x).squeeze(1) >= r.gather(1, x).squeeze(1),
+        lambda r, q, x: (q - r).softmax(-1),
+    )
 
 
-def resample_target_rule(tree: DraftTree, p: torch.Tensor, accept_u: torch.Tensor,
-                         sample_u: torch.Tensor) -> AcceptResult:
+def resample_target_rule(
+    tree: DraftTree, p: torch.Tensor, accept_u: torch.Tensor, sample_u: torch.Tensor
+) -> AcceptResult:
     """WRONG: correct accept test, but on rejection keep sampling from p instead of max(p - q, 0)."""
     return _walk(tree, p, accept_u, sample_u, _correct_accept, lambda r, q, x: r)
 

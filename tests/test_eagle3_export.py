@@ -24,10 +24,23 @@ from models.export import (
 from models.target import AUX_LAYER_CONVENTION, TargetModel, default_aux_layer_ids
 
 LLAMA_31_8B = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072,
-    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
 )
 # REFERENCE.md: the keys and shapes SGLang / vLLM load for Llama-3.1-8B
 SGLANG_8B = {
@@ -52,8 +65,15 @@ SGLANG_8B = {
 @pytest.fixture(scope="module")
 def meta_8b() -> Eagle3Drafter:
     cfg = Eagle3Config.from_target(LlamaConfig(**LLAMA_31_8B), draft_vocab_size=32000)
-    info = TargetInfo("meta-llama/Llama-3.1-8B-Instruct", 128256, 4096, 32, None, default_aux_layer_ids(32),
-                      target_architectures=["LlamaForCausalLM"])
+    info = TargetInfo(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        128256,
+        4096,
+        32,
+        None,
+        default_aux_layer_ids(32),
+        target_architectures=["LlamaForCausalLM"],
+    )
     with torch.device("meta"):
         return Eagle3Drafter(cfg, info)
 
@@ -66,9 +86,20 @@ def test_sglang_vllm_keys_shapes_and_config_match_reference(meta_8b):
     cfg = sglang_config(meta_8b)
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 1
-    expected = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072, vocab_size=128256,
-                    draft_vocab_size=32000, tie_word_embeddings=False, target_hidden_size=4096, rope_theta=500000.0)
+    expected = dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        vocab_size=128256,
+        draft_vocab_size=32000,
+        tie_word_embeddings=False,
+        target_hidden_size=4096,
+        rope_theta=500000.0,
+    )
     assert {k: cfg[k] for k in expected} == expected
     assert cfg["rope_scaling"]["rope_type"] == "llama3"  # the target's rope survives the export
     # HF index 2, 16, 29 for Llama-3.1-8B = "before layer" ids (REFERENCE.md)
@@ -86,14 +117,24 @@ def test_speculators_keys_and_config(meta_8b):
     assert cfg["draft_vocab_size"] == 32000 and cfg["target_hidden_size"] == 4096
     spec = cfg["speculators_config"]
     assert spec["algorithm"] == "eagle3" and spec["proposal_methods"][0]["speculative_tokens"] >= 1
-    assert spec["verifier"] == {"name_or_path": "meta-llama/Llama-3.1-8B-Instruct", "architectures": ["LlamaForCausalLM"]}
+    assert spec["verifier"] == {
+        "name_or_path": "meta-llama/Llama-3.1-8B-Instruct",
+        "architectures": ["LlamaForCausalLM"],
+    }
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 16, 29]
 
 
 def _tiny_target(vocab=64, layers=4, seed=0):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return TargetModel(LlamaForCausalLM(cfg).eval(), aux_layer_ids=[0, 1, 2], name_or_path="tiny-target")
 
 
@@ -179,4 +220,6 @@ def test_engine_exports_written_from_a_real_drafter(trained_like, tmp_path):
     sp = save_speculators(drafter, tmp_path / "spec")
     with safe_open(str(sp / "model.safetensors"), "pt") as f:
         assert "layers.0.self_attn.q_proj.weight" in f.keys() and "d2t" in f.keys()
-    assert json.loads((sp / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
+    assert (
+        json.loads((sp / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
+    )

@@ -19,8 +19,15 @@ from models.eagle3 import Eagle3Config, Eagle3Drafter
 from models.target import TargetModel
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=300)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=300,
+)
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),

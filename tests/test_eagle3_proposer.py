@@ -94,8 +94,10 @@ def test_overfit_drafter_is_accepted_at_every_depth(tiny_target):
     acc = _overfit(tiny_target, drafter, prompt + cont, ttt_steps=k)
     assert acc == [1.0] * k
     params = SamplingParams(max_new_tokens=16)
-    for proposer in (Eagle3Proposer(drafter, k=k),
-                     Eagle3Proposer(drafter, tree=DynamicTreeConfig(top_k=2, depth=k, total_tokens=8))):
+    for proposer in (
+        Eagle3Proposer(drafter, k=k),
+        Eagle3Proposer(drafter, tree=DynamicTreeConfig(top_k=2, depth=k, total_tokens=8)),
+    ):
         res = generate_speculative(tiny_target, proposer, [prompt], params)
         assert res.tokens[0] == cont[:16]
         assert res.stats.alpha == [1.0] * k

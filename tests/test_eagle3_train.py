@@ -51,7 +51,9 @@ def test_epoch_batches_partition_each_global_batch_across_ranks():
         assert len(set(seen)) == len(seen) == per_epoch * world * bs
     # deterministic (resume replays the same order) and different per epoch
     assert recipe.epoch_batch(n, 1, per_epoch, 7, 0, world, bs) == recipe.epoch_batch(n, 1, per_epoch, 7, 0, world, bs)
-    assert recipe.epoch_batch(n, 0, per_epoch, 7, 0, world, bs) != recipe.epoch_batch(n, per_epoch, per_epoch, 7, 0, world, bs)
+    assert recipe.epoch_batch(n, 0, per_epoch, 7, 0, world, bs) != recipe.epoch_batch(
+        n, per_epoch, per_epoch, 7, 0, world, bs
+    )
 
 
 def test_warmup_cosine_schedule():
@@ -136,9 +138,17 @@ def tiny_recipe(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
     target_dir = root / "target"
     hf_tok.save_pretrained(target_dir)
     tiny_llama(vocab=len(hf_tok), layers=2, hidden=32).save_pretrained(target_dir)
@@ -158,16 +168,37 @@ def tiny_recipe(tmp_path_factory):
 
 def recipe_args(root: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "--config", str(ROOT / "recipes" / "reference" / "eagle3.yaml"),
-        f"target.name_or_path={root / 'target'}", "stdlib_corpus_dir=null",
-        f"data.path={root / 'train.jsonl'}", "data.max_length=96", f"data.cache_dir={root / 'hf-cache'}",
-        f"eval_data.path={root / 'heldout.jsonl'}", "eval_data.max_length=96", f"eval_data.cache_dir={root / 'hf-cache'}",
-        f"train.output_dir={out}", "train.batch_size=2", "train.grad_accum=1", "train.lr=3e-3", "train.log_every=2",
-        "train.eval_samples=4", "train.max_train_samples=null", "train.epochs=1", "train.save_every=0",
-        "drafter.draft_vocab_size=128", "drafter.ttt_steps=3",
-        "report.prompt_source=eval_data", "report.prompts=2", "report.prompt_tokens=24", "report.max_new_tokens=10",
-        "report.chain_k=3", "report.tree_top_k=2", "report.tree_depth=3", "report.tree_total_tokens=6",
-        "report.draft_model=null", *extra,
+        "--config",
+        str(ROOT / "recipes" / "reference" / "eagle3.yaml"),
+        f"target.name_or_path={root / 'target'}",
+        "stdlib_corpus_dir=null",
+        f"data.path={root / 'train.jsonl'}",
+        "data.max_length=96",
+        f"data.cache_dir={root / 'hf-cache'}",
+        f"eval_data.path={root / 'heldout.jsonl'}",
+        "eval_data.max_length=96",
+        f"eval_data.cache_dir={root / 'hf-cache'}",
+        f"train.output_dir={out}",
+        "train.batch_size=2",
+        "train.grad_accum=1",
+        "train.lr=3e-3",
+        "train.log_every=2",
+        "train.eval_samples=4",
+        "train.max_train_samples=null",
+        "train.epochs=1",
+        "train.save_every=0",
+        "drafter.draft_vocab_size=128",
+        "drafter.ttt_steps=3",
+        "report.prompt_source=eval_data",
+        "report.prompts=2",
+        "report.prompt_tokens=24",
+        "report.max_new_tokens=10",
+        "report.chain_k=3",
+        "report.tree_top_k=2",
+        "report.tree_depth=3",
+        "report.tree_total_tokens=6",
+        "report.draft_model=null",
+        *extra,
     ]
 
 
@@ -179,8 +210,17 @@ def read_log(out: Path) -> list[dict]:
 def test_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp_path, capsys):
     out = tmp_path / "run"
     recipe.main(recipe_args(tiny_recipe, out, "train.max_steps=4"))
-    for name in ("config.json", "model.safetensors", "recipe.yaml", "draft_vocab.safetensors", "report.json",
-                 "report.md", "export-sglang/model.safetensors", "export-speculators/config.json", "state/step.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "recipe.yaml",
+        "draft_vocab.safetensors",
+        "report.json",
+        "report.md",
+        "export-sglang/model.safetensors",
+        "export-speculators/config.json",
+        "state/step.json",
+    ):
         assert (out / name).exists(), name
     log = read_log(out)
     assert log[0]["sharding"]["world"] == 1
@@ -210,8 +250,9 @@ def test_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp_path, 
 def test_offline_features_match_online_losses(tiny_recipe, tmp_path):
     common = ("train.max_steps=2", "train.log_every=1", "report.enabled=false", "train.export=false")
     recipe.main(recipe_args(tiny_recipe, tmp_path / "online", *common))
-    recipe.main(recipe_args(tiny_recipe, tmp_path / "offline", *common, "train.features=offline",
-                            "train.feature_dtype=float32"))
+    recipe.main(
+        recipe_args(tiny_recipe, tmp_path / "offline", *common, "train.features=offline", "train.feature_dtype=float32")
+    )
     assert (tmp_path / "offline" / "features" / "index.json").exists()
     online = [r for r in read_log(tmp_path / "online") if "step" in r]
     offline = [r for r in read_log(tmp_path / "offline") if "step" in r]
@@ -229,8 +270,14 @@ def test_two_cpu_ranks_train_on_disjoint_shards(tiny_recipe, tmp_path, launcher)
     if launcher == "torchrun":
         cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", "2", str(ROOT / "train" / "eagle3.py"), *args]
     else:
-        cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", str(ROOT / "recipes/accelerate/cpu_2proc.yaml"),
-               str(ROOT / "train" / "eagle3.py"), *args]
+        cmd = [
+            str(bin_dir / "accelerate"),
+            "launch",
+            "--config_file",
+            str(ROOT / "recipes/accelerate/cpu_2proc.yaml"),
+            str(ROOT / "train" / "eagle3.py"),
+            *args,
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

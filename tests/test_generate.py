@@ -19,9 +19,10 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 
 
 def hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_vanilla_matches_hf_generate(tiny_target):
@@ -41,7 +42,9 @@ PROPOSERS = {
     "lookup-chain": lambda t, d: PromptLookupProposer(num_draft=5),
     "lookup-tree": lambda t, d: PromptLookupProposer(num_draft=4, num_candidates=3),
     "draft-chain": lambda t, d: DraftModelProposer(d, k=3),
-    "draft-static-tree": lambda t, d: DraftModelProposer(d, static_paths=[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]),
+    "draft-static-tree": lambda t, d: DraftModelProposer(
+        d, static_paths=[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    ),
     "draft-dynamic-tree": lambda t, d: DraftModelProposer(d, tree=DynamicTreeConfig(top_k=3, depth=4, total_tokens=10)),
     "self-draft-chain": lambda t, d: DraftModelProposer(t.model, k=4),
 }
@@ -126,8 +129,11 @@ def test_sampling_rows_are_reproducible_and_in_vocab(tiny_target, tiny_draft):
 
 def test_typical_acceptance_runs_and_is_labelled(tiny_target):
     res = generate_speculative(
-        tiny_target, DraftModelProposer(tiny_target.model, k=3), [PROMPTS[0]],
-        SamplingParams(temperature=0.7, max_new_tokens=12, seed=0), spec=SpecConfig(accept="typical"),
+        tiny_target,
+        DraftModelProposer(tiny_target.model, k=3),
+        [PROMPTS[0]],
+        SamplingParams(temperature=0.7, max_new_tokens=12, seed=0),
+        spec=SpecConfig(accept="typical"),
     )
     assert len(res.tokens[0]) == 12
     with pytest.raises(ValueError, match="typical"):

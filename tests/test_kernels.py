@@ -37,6 +37,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 # ----------------------------------------------------------------------------------------------- inputs
 
+
 def random_parents(B: int, n: int, kind: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """parents, valid [B, n]. kind: 'chain', 'star' (all children of the root) or 'tree' (random, with siblings).
 
@@ -61,8 +62,9 @@ def random_parents(B: int, n: int, kind: str, gen: torch.Generator) -> tuple[tor
     return parents, valid
 
 
-def greedy_case(B: int, n: int, V: int, kind: str, seed: int, ties: bool = False,
-                logits: torch.Tensor | None = None) -> tuple[DraftTree, torch.Tensor]:
+def greedy_case(
+    B: int, n: int, V: int, kind: str, seed: int, ties: bool = False, logits: torch.Tensor | None = None
+) -> tuple[DraftTree, torch.Tensor]:
     """A tree whose tokens copy the target argmax at their parent with prob 0.6 (ragged acceptance)."""
     gen = torch.Generator().manual_seed(seed)
     parents, valid = random_parents(B, n, kind, gen)
@@ -81,8 +83,9 @@ def greedy_case(B: int, n: int, V: int, kind: str, seed: int, ties: bool = False
     return DraftTree(tokens, parents, valid), logits
 
 
-def rejection_case(B: int, n: int, V: int, kind: str, seed: int, draft: str
-                   ) -> tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]:
+def rejection_case(
+    B: int, n: int, V: int, kind: str, seed: int, draft: str
+) -> tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tree, p, accept_u, sample_u). draft: 'stochastic' (siblings drawn from q without replacement),
     'onehot' (deterministic top-k siblings, q = None), or 'degenerate' (q and p with exact zeros from
     top-k, a drafted token with q(x) = 0, and rows with p = q / 2, whose residual max(p - q, 0) is all zero).
@@ -123,11 +126,14 @@ def rejection_case(B: int, n: int, V: int, kind: str, seed: int, draft: str
 
 def to(device: str, tree: DraftTree, *tensors: torch.Tensor) -> tuple:
     dp = None if tree.draft_probs is None else tree.draft_probs.to(device)
-    return (DraftTree(tree.tokens.to(device), tree.parents.to(device), tree.valid.to(device), dp),
-            *(t.to(device) for t in tensors))
+    return (
+        DraftTree(tree.tokens.to(device), tree.parents.to(device), tree.valid.to(device), dp),
+        *(t.to(device) for t in tensors),
+    )
 
 
 # ------------------------------------------------------------------------------------------ comparisons
+
 
 def assert_same(got: AcceptResult, ref: AcceptResult) -> None:
     assert torch.equal(got.path, ref.path), f"path\n{got.path}\n{ref.path}"
@@ -135,8 +141,15 @@ def assert_same(got: AcceptResult, ref: AcceptResult) -> None:
     assert torch.equal(got.bonus, ref.bonus), f"bonus {got.bonus} vs {ref.bonus}"
 
 
-def assert_rejection_matches(tree: DraftTree, p: torch.Tensor, au: torch.Tensor, su: torch.Tensor,
-                             got: AcceptResult, ref: AcceptResult, max_tie_rows: int = 0) -> None:
+def assert_rejection_matches(
+    tree: DraftTree,
+    p: torch.Tensor,
+    au: torch.Tensor,
+    su: torch.Tensor,
+    got: AcceptResult,
+    ref: AcceptResult,
+    max_tie_rows: int = 0,
+) -> None:
     """Rows equal, or (at most ``max_tie_rows`` of them) different only at a rounding-level tie."""
     same = (got.path == ref.path).all(1) & (got.length == ref.length) & (got.bonus == ref.bonus)
     diff = (~same).nonzero().flatten().tolist()
@@ -145,17 +158,21 @@ def assert_rejection_matches(tree: DraftTree, p: torch.Tensor, au: torch.Tensor,
     cpu = to("cpu", tree, p, au, su)
     m_got = rejection_disagreement(*cpu, AcceptResult(got.path.cpu(), got.length.cpu(), got.bonus.cpu()), diff)
     m_ref = rejection_disagreement(*cpu, AcceptResult(ref.path.cpu(), ref.length.cpu(), ref.bonus.cpu()), diff)
-    detail = "\n".join(f"row {b}: kernel {got.path[b].tolist()}+{int(got.bonus[b])} (float64 distance {float(mg):.2e}), "
-                       f"reference {ref.path[b].tolist()}+{int(ref.bonus[b])} ({float(mr):.2e})"
-                       for b, mg, mr in zip(diff, m_got, m_ref))
+    detail = "\n".join(
+        f"row {b}: kernel {got.path[b].tolist()}+{int(got.bonus[b])} (float64 distance {float(mg):.2e}), "
+        f"reference {ref.path[b].tolist()}+{int(ref.bonus[b])} ({float(mr):.2e})"
+        for b, mg, mr in zip(diff, m_got, m_ref)
+    )
     assert bool((m_got <= TIE_TOL).all() and (m_ref <= TIE_TOL).all()), f"not a rounding-level tie:\n{detail}"
     assert len(diff) <= max_tie_rows, f"{len(diff)} rows differ at ties (allowed {max_tie_rows}):\n{detail}"
 
 
 # ------------------------------------------------------------------------------- default tier (interpreter)
 
-@pytest.mark.parametrize("kind,seed,ties", [("tree", 0, False), ("chain", 1, False), ("star", 2, False),
-                                            ("tree", 3, True)])
+
+@pytest.mark.parametrize(
+    "kind,seed,ties", [("tree", 0, False), ("chain", 1, False), ("star", 2, False), ("tree", 3, True)]
+)
 def test_greedy_interpreter(kind: str, seed: int, ties: bool) -> None:
     tree, logits = greedy_case(B=4, n=12, V=40, kind=kind, seed=seed, ties=ties)
     ref = accept_greedy(tree, logits)
@@ -174,6 +191,7 @@ def test_greedy_interpreter(kind: str, seed: int, ties: bool) -> None:
 def test_greedy_interpreter_multi_block_vocab(monkeypatch: pytest.MonkeyPatch) -> None:
     """V spanning several BLOCK_V chunks, with the maximum tied across chunks (the first chunk must win)."""
     from infer.kernels import triton_verify
+
     monkeypatch.setattr(triton_verify, "MAX_BLOCK_V", 16)
     logits = torch.randn(2, 6, 45, generator=torch.Generator().manual_seed(4))
     logits[:, :, 3] = 10.0
@@ -183,10 +201,18 @@ def test_greedy_interpreter_multi_block_vocab(monkeypatch: pytest.MonkeyPatch) -
     assert_same(verify_greedy(tree, logits, force_triton=True), accept_greedy(tree, logits))
 
 
-@pytest.mark.parametrize("kind,seed,draft", [("tree", 10, "stochastic"), ("chain", 11, "stochastic"),
-                                             ("star", 17, "stochastic"), ("tree", 12, "onehot"),
-                                             ("star", 13, "onehot"), ("tree", 14, "degenerate"),
-                                             ("star", 16, "degenerate")])
+@pytest.mark.parametrize(
+    "kind,seed,draft",
+    [
+        ("tree", 10, "stochastic"),
+        ("chain", 11, "stochastic"),
+        ("star", 17, "stochastic"),
+        ("tree", 12, "onehot"),
+        ("star", 13, "onehot"),
+        ("tree", 14, "degenerate"),
+        ("star", 16, "degenerate"),
+    ],
+)
 def test_rejection_interpreter(kind: str, seed: int, draft: str) -> None:
     tree, p, au, su = rejection_case(B=4, n=10, V=24, kind=kind, seed=seed, draft=draft)
     ref = accept_rejection(tree, p, au, su)
@@ -199,10 +225,12 @@ def test_rejection_interpreter(kind: str, seed: int, draft: str) -> None:
 def test_rejection_interpreter_multi_block_vocab(monkeypatch: pytest.MonkeyPatch) -> None:
     """Residual sums, workspace writes and the inverse CDF across several BLOCK_V chunks."""
     from infer.kernels import triton_verify
+
     monkeypatch.setattr(triton_verify, "MAX_BLOCK_V", 16)
     tree, p, au, su = rejection_case(B=3, n=8, V=50, kind="tree", seed=15, draft="stochastic")
-    assert_rejection_matches(tree, p, au, su, verify_rejection(tree, p, au, su, force_triton=True),
-                             accept_rejection(tree, p, au, su))
+    assert_rejection_matches(
+        tree, p, au, su, verify_rejection(tree, p, au, su, force_triton=True), accept_rejection(tree, p, au, su)
+    )
 
 
 def test_disagreement_checker_has_teeth() -> None:
@@ -237,7 +265,9 @@ def test_compact_kv_interpreter(dtype: torch.dtype) -> None:
     assert torch.equal(compact_kv(view, keep, force_triton=True), compact_kv_reference(view, keep))
     # the runtime's use: keep the prefix plus the accepted tree nodes
     keep2 = torch.cat([torch.arange(30).expand(B, 30), 30 + torch.tensor([[0, 2, 5], [0, 1, 3], [0, 4, 9]])], 1)
-    assert torch.equal(compact_kv(kv, keep2, force_triton=True), kv.gather(2, keep2[:, None, :, None].expand(-1, H, -1, D)))
+    assert torch.equal(
+        compact_kv(kv, keep2, force_triton=True), kv.gather(2, keep2[:, None, :, None].expand(-1, H, -1, D))
+    )
 
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -257,6 +287,7 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # --------------------------------------------------------------------------------------------- gpu tier
+
 
 @pytest.mark.gpu
 @needs_cuda
@@ -296,9 +327,11 @@ def test_compact_kv_cuda(dtype: torch.dtype) -> None:
 
 # ------------------------------------------------------------------------------------- integration tier
 
+
 @pytest.mark.integration
 def test_kernels_compile_for_hopper() -> None:
     """Every kernel variant lowers to a cubin for sm_90 (the interpreter never runs the real compiler)."""
     from infer.kernels.triton_verify import compile_for_nvidia
+
     sizes = compile_for_nvidia(90)
     assert sizes and all(v > 0 for v in sizes.values())

@@ -69,7 +69,7 @@ def test_dynamic_tree_keeps_best_candidates_and_their_ancestors():
     kept = set(node_paths(tree))
     assert all(p[:i] in kept for p in kept for i in range(1, len(p)))  # ancestors survive
     # frontier ancestors: none at the first call, exactly depth - 1 afterwards
-    for tokens, depth, anc in calls:
+    for _tokens, depth, anc in calls:
         assert anc.shape == (1, 3, 3 * (depth - 1))
         assert (anc.sum(-1) == depth - 1).all()
 

@@ -180,8 +180,9 @@ def build_drafter(cfg: Eagle3RecipeConfig, target: TargetModel, tokenizer, train
     if cfg.drafter.init_from:
         log(f"drafter: fine-tuning {cfg.drafter.init_from} (weights and draft vocabulary reused)")
         return Eagle3Drafter.from_pretrained(cfg.drafter.init_from, target, tokenizer)
-    drafter = Eagle3Drafter.from_target(target, cfg.drafter.draft_vocab_size, tokenizer,
-                                        norm_before_fc=cfg.drafter.norm_before_fc)
+    drafter = Eagle3Drafter.from_target(
+        target, cfg.drafter.draft_vocab_size, tokenizer, norm_before_fc=cfg.drafter.norm_before_fc
+    )
     vocab_file = out / "draft_vocab.safetensors"
     counts = count_loss_tokens(train_set, target.vocab_size)
     if vocab_file.exists():
@@ -193,8 +194,10 @@ def build_drafter(cfg: Eagle3RecipeConfig, target: TargetModel, tokenizer, train
     drafter.set_draft_vocab(d2t, t2d)
     if cfg.drafter.init_head_from_target:
         drafter.init_head_from_target(target)
-    log(f"draft vocabulary: {cfg.drafter.draft_vocab_size} of {target.vocab_size} ids cover "
-        f"{coverage(counts, drafter.t2d.cpu()):.1%} of the training targets")
+    log(
+        f"draft vocabulary: {cfg.drafter.draft_vocab_size} of {target.vocab_size} ids cover "
+        f"{coverage(counts, drafter.t2d.cpu()):.1%} of the training targets"
+    )
     return drafter
 
 
@@ -207,7 +210,9 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
     count = torch.zeros_like(correct)
     mine = list(range(accelerator.process_index, n, accelerator.num_processes))
     for s in range(0, len(mine), cfg.train.batch_size):
-        batch = to_device(collate([eval_set[i] for i in mine[s : s + cfg.train.batch_size]], pad_id), accelerator.device)
+        batch = to_device(
+            collate([eval_set[i] for i in mine[s : s + cfg.train.batch_size]], pad_id), accelerator.device
+        )
         aux, target_logits = target_signals(target, batch)
         allowed, positions, sample_ids = attention_masks(batch)
         with accelerator.autocast():
@@ -248,8 +253,12 @@ def main(argv: list[str]) -> None:
     cfg = parse_cli(Eagle3RecipeConfig, argv)
     tc = cfg.train
     out = Path(tc.output_dir)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision(tc.mixed_precision),
-                              log_with=tc.log_with, project_dir=str(out))
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=mixed_precision(tc.mixed_precision),
+        log_with=tc.log_with,
+        project_dir=str(out),
+    )
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(tc.seed)
     log_file = out / "train_log.jsonl"
@@ -258,8 +267,10 @@ def main(argv: list[str]) -> None:
         if accelerator.is_main_process:
             print(msg, flush=True)
 
-    log(f"world {world} ({accelerator.distributed_type}), precision {accelerator.mixed_precision}, "
-        f"device {accelerator.device}, threads/rank {torch.get_num_threads()}")
+    log(
+        f"world {world} ({accelerator.distributed_type}), precision {accelerator.mixed_precision}, "
+        f"device {accelerator.device}, threads/rank {torch.get_num_threads()}"
+    )
     t_start = time.time()
 
     # ---- target, tokenizer, data
@@ -272,13 +283,19 @@ def main(argv: list[str]) -> None:
 
             for split in ("train", "heldout"):
                 if not (Path(cfg.stdlib_corpus_dir) / f"stdlib_{split}_text.jsonl").exists():
-                    log(f"reference corpus ({split}): {build_stdlib_samples(tokenizer, split, out_dir=cfg.stdlib_corpus_dir)}")
+                    log(
+                        f"reference corpus ({split}): {build_stdlib_samples(tokenizer, split, out_dir=cfg.stdlib_corpus_dir)}"
+                    )
         train_set, summary = build_dataset(cfg.data, tokenizer)
         eval_set = build_dataset(cfg.eval_data, tokenizer)[0] if cfg.eval_data is not None else None
-    if tc.max_train_samples is not None:  # a seeded random subset: the corpus is in file order, its head is a few modules
+    if (
+        tc.max_train_samples is not None
+    ):  # a seeded random subset: the corpus is in file order, its head is a few modules
         train_set = train_set.shuffle(seed=tc.seed).select(range(min(tc.max_train_samples, len(train_set))))
-    log(f"data: {summary['kept']} samples kept of {summary['rows']} ({summary['loss_tokens']:,} loss tokens), "
-        f"skipped {({k: v for k, v in summary['skipped'].items() if v})}; training on {len(train_set)}")
+    log(
+        f"data: {summary['kept']} samples kept of {summary['rows']} ({summary['loss_tokens']:,} loss tokens), "
+        f"skipped { ({k: v for k, v in summary['skipped'].items() if v}) }; training on {len(train_set)}"
+    )
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "recipe.yaml")
@@ -304,7 +321,9 @@ def main(argv: list[str]) -> None:
         cache_dir = Path(tc.features_dir or out / "features")
         key = cache_key(target, train_set._fingerprint, tc.feature_dtype, len(train_set))
         if not cache_is_valid(cache_dir, key):
-            write_feature_cache(accelerator, target, train_set, cache_dir, key, tc.feature_dtype, pad_id=pad_id, log=log)
+            write_feature_cache(
+                accelerator, target, train_set, cache_dir, key, tc.feature_dtype, pad_id=pad_id, log=log
+            )
         samples, collate_fn = FeatureCache(cache_dir), collate_features
         log(f"features: offline cache {cache_dir} ({len(samples)} samples)")
 
@@ -319,18 +338,30 @@ def main(argv: list[str]) -> None:
     warmup = max(1, round(tc.warmup_ratio * total_steps)) if tc.warmup_ratio else 0
     counters = load_training_state(accelerator, out) or {"step": 0}
     step = counters["step"]
-    log(f"train: {total_steps} optimizer steps ({per_epoch} micro-batches/epoch/rank, batch {tc.batch_size} x "
+    log(
+        f"train: {total_steps} optimizer steps ({per_epoch} micro-batches/epoch/rank, batch {tc.batch_size} x "
         f"{tc.grad_accum} accum x {world} ranks), warm-up {warmup}, ttt {cfg.drafter.ttt_steps}"
-        + (f"; resumed at step {step}" if step else ""))
+        + (f"; resumed at step {step}" if step else "")
+    )
     if accelerator.is_main_process and tc.log_with:
         accelerator.init_trackers("eagle3", config={k: str(v) for k, v in to_dict(cfg).items()})
 
     # ---- check the sharding this run really got: every rank's first-epoch samples, disjoint across ranks
-    mine = torch.tensor([i for m in range(per_epoch) for i in epoch_batch(len(samples), m, per_epoch, tc.seed, rank,
-                                                                          world, tc.batch_size)])
+    mine = torch.tensor(
+        [
+            i
+            for m in range(per_epoch)
+            for i in epoch_batch(len(samples), m, per_epoch, tc.seed, rank, world, tc.batch_size)
+        ]
+    )
     every = accelerator.gather(mine.to(accelerator.device)).cpu()
-    sharding = {"world": world, "distributed_type": str(accelerator.distributed_type), "samples_per_rank": len(mine),
-                "distinct_over_ranks": int(every.unique().numel()), "total_over_ranks": int(every.numel())}
+    sharding = {
+        "world": world,
+        "distributed_type": str(accelerator.distributed_type),
+        "samples_per_rank": len(mine),
+        "distinct_over_ranks": int(every.unique().numel()),
+        "total_over_ranks": int(every.numel()),
+    }
     if sharding["distinct_over_ranks"] != sharding["total_over_ranks"]:
         raise RuntimeError(f"ranks would train on overlapping samples: {sharding}")
     log(json.dumps({"sharding": sharding}))
@@ -352,8 +383,9 @@ def main(argv: list[str]) -> None:
         sync = (micro + 1) % tc.grad_accum == 0
         with contextlib.nullcontext() if sync else accelerator.no_sync(drafter), accelerator.autocast():
             logits = drafter(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, k)
-            res = eagle3_ttt_loss(logits, target_logits, batch["loss_mask"], model.t2d, sample_ids,
-                                  cfg.drafter.step_weight)
+            res = eagle3_ttt_loss(
+                logits, target_logits, batch["loss_mask"], model.t2d, sample_ids, cfg.drafter.step_weight
+            )
             accelerator.backward(res.loss / tc.grad_accum)
         stats += torch.tensor([res.loss.item(), 1.0, *res.step_correct, *res.step_count], device=stats.device)
         tokens += int(batch["attention_mask"].sum())
@@ -370,9 +402,14 @@ def main(argv: list[str]) -> None:
         if step % tc.log_every == 0 or step == total_steps or do_eval:
             total = accelerator.reduce(stats, "sum")  # collective: every rank reaches it at the same step
             acc = (total[2 : 2 + k] / total[2 + k :].clamp(min=1)).tolist()
-            metrics = {"step": step, "loss": float(total[0] / total[1]), "acc": [round(a, 4) for a in acc],
-                       "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm),
-                       "tokens_per_s": round(tokens * world / (time.time() - t_loop), 1)}
+            metrics = {
+                "step": step,
+                "loss": float(total[0] / total[1]),
+                "acc": [round(a, 4) for a in acc],
+                "lr": optimizer.param_groups[0]["lr"],
+                "grad_norm": float(grad_norm),
+                "tokens_per_s": round(tokens * world / (time.time() - t_loop), 1),
+            }
             if do_eval:
                 metrics.update(evaluate(accelerator, target, drafter, eval_set, cfg, pad_id))
             log(json.dumps(metrics))
@@ -396,12 +433,22 @@ def main(argv: list[str]) -> None:
     if tc.export:
         save_sglang(model, out / "export-sglang")
         save_speculators(model, out / "export-speculators")
-    log(f"saved {out} (+ exports) after {train_s / 60:.1f} min of training, {(time.time() - t_start) / 60:.1f} min total")
+    log(
+        f"saved {out} (+ exports) after {train_s / 60:.1f} min of training, {(time.time() - t_start) / 60:.1f} min total"
+    )
 
     # ---- report: τ and speedup in the verify runtime on held-out prompts
     if cfg.report.enabled:
-        run_report(target, model, tokenizer, cfg.report, out, eval_set,
-                   notes=f"Drafter trained {step} steps ({train_s / 60:.1f} min, world {world}).", log=log)
+        run_report(
+            target,
+            model,
+            tokenizer,
+            cfg.report,
+            out,
+            eval_set,
+            notes=f"Drafter trained {step} steps ({train_s / 60:.1f} min, world {world}).",
+            log=log,
+        )
 
 
 if __name__ == "__main__":

@@ -112,26 +112,43 @@ def candidates(drafter: Eagle3Drafter, cfg: ReportConfig, log: Callable[[str], N
 
         draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=torch.float32).to(drafter.fc.weight.device)
         if cfg.chain_k:
-            out.append(Candidate("draft model", f"chain {cfg.chain_k}", lambda: DraftModelProposer(draft, k=cfg.chain_k)))
+            out.append(
+                Candidate("draft model", f"chain {cfg.chain_k}", lambda: DraftModelProposer(draft, k=cfg.chain_k))
+            )
         if cfg.tree_total_tokens:
             out.append(Candidate("draft model", cfg.tree_name, lambda: DraftModelProposer(draft, tree=cfg.tree)))
     return out
 
 
 def run_report(
-    target: TargetModel, drafter: Eagle3Drafter, tokenizer, cfg: ReportConfig, out_dir: str | Path, eval_set=None,
-    notes: str = "", log: Callable[[str], None] = print,
+    target: TargetModel,
+    drafter: Eagle3Drafter,
+    tokenizer,
+    cfg: ReportConfig,
+    out_dir: str | Path,
+    eval_set=None,
+    notes: str = "",
+    log: Callable[[str], None] = print,
 ) -> list[dict]:
     """Measure and write report.json / report.md into ``out_dir``; returns the result rows."""
     prompts = report_prompts(cfg, tokenizer, eval_set)
     drafter = drafter.to(target.device).eval()
-    log(f"report: {len(prompts)} held-out prompts, {cfg.max_new_tokens} new tokens, T {cfg.temperatures}, "
-        f"bs {cfg.batch_sizes}")
+    log(
+        f"report: {len(prompts)} held-out prompts, {cfg.max_new_tokens} new tokens, T {cfg.temperatures}, "
+        f"bs {cfg.batch_sizes}"
+    )
     cands = candidates(drafter, cfg, log)
     for c in cands:  # warm-up outside the timed region (measure() warms vanilla only; first calls pay one-off costs)
         generate_speculative(target, c.make(), [prompts[0]], SamplingParams(max_new_tokens=8))
-    rows = measure(target, cands, prompts, temperatures=tuple(cfg.temperatures),
-                   max_new_tokens=cfg.max_new_tokens, batch_sizes=tuple(cfg.batch_sizes), log=log)
+    rows = measure(
+        target,
+        cands,
+        prompts,
+        temperatures=tuple(cfg.temperatures),
+        max_new_tokens=cfg.max_new_tokens,
+        batch_sizes=tuple(cfg.batch_sizes),
+        log=log,
+    )
     write_report(out_dir, "eagle3", str(target.name_or_path), rows, notes=notes)
     log(f"report written to {out_dir}/report.md")
     return rows

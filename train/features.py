@@ -77,8 +77,17 @@ def projected_bytes(num_tokens: int, hidden_size: int, num_aux: int, dtype: str)
 
 
 def cache_key(target: TargetModel, dataset_fingerprint: str, dtype: str, num_samples: int) -> str:
-    payload = json.dumps([str(target.name_or_path), target.aux_layer_ids, target.vocab_size, target.hidden_size,
-                          dataset_fingerprint, dtype, num_samples])
+    payload = json.dumps(
+        [
+            str(target.name_or_path),
+            target.aux_layer_ids,
+            target.vocab_size,
+            target.hidden_size,
+            dataset_fingerprint,
+            dtype,
+            num_samples,
+        ]
+    )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -109,11 +118,14 @@ def write_feature_cache(
     num_tokens = sum(len(x) for x in dataset["input_ids"])
     need = projected_bytes(num_tokens, target.hidden_size, len(target.aux_layer_ids), dtype)
     free = shutil.disk_usage(out).free
-    log(f"offline features: {len(dataset)} samples, {num_tokens:,} tokens → projected {need / 2**30:.2f} GiB "
-        f"({dtype}) in {out}; free {free / 2**30:.1f} GiB")
+    log(
+        f"offline features: {len(dataset)} samples, {num_tokens:,} tokens → projected {need / 2**30:.2f} GiB "
+        f"({dtype}) in {out}; free {free / 2**30:.1f} GiB"
+    )
     if need * 1.05 > free:
-        raise SystemExit(f"not enough disk for the feature cache: need {need / 2**30:.2f} GiB, "
-                         f"{free / 2**30:.1f} GiB free in {out}")
+        raise SystemExit(
+            f"not enough disk for the feature cache: need {need / 2**30:.2f} GiB, {free / 2**30:.1f} GiB free in {out}"
+        )
     for stale in out.glob(f"shard-r{accelerator.process_index}-*.safetensors"):
         stale.unlink()
     torch_dtype = FEATURE_DTYPES[dtype]
@@ -129,8 +141,10 @@ def write_feature_cache(
         tensors = {name: torch.cat(parts) for name, parts in shard.items() if name != "sample_index"}
         tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
         tensors["sample_index"] = torch.tensor(shard["sample_index"], dtype=torch.long)
-        save_file({k: v.contiguous() for k, v in tensors.items()},
-                  str(out / f"shard-r{accelerator.process_index}-{shard_id:05d}.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            str(out / f"shard-r{accelerator.process_index}-{shard_id:05d}.safetensors"),
+        )
         shard, shard_id, shard_len = {}, shard_id + 1, 0
 
     for start in range(0, len(rows), batch_size):
@@ -158,8 +172,14 @@ def write_feature_cache(
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shards = sorted(p.name for p in out.glob("shard-r*-*.safetensors"))
-        index = {"key": key, "shards": shards, "samples": len(dataset), "tokens": num_tokens, "dtype": dtype,
-                 "bytes": sum((out / s).stat().st_size for s in shards)}
+        index = {
+            "key": key,
+            "shards": shards,
+            "samples": len(dataset),
+            "tokens": num_tokens,
+            "dtype": dtype,
+            "bytes": sum((out / s).stat().st_size for s in shards),
+        }
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         log(f"offline features written: {index['bytes'] / 2**30:.2f} GiB in {len(shards)} shards")
     accelerator.wait_for_everyone()
@@ -197,8 +217,13 @@ class FeatureCache(torch.utils.data.Dataset):
 
 def collate_features(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad cached samples: the token fields as `train.data.collate`, features with zeros [B, T, ·]."""
-    batch = collate([{k: samples[i][k].tolist() for k in samples[i] if k in ("input_ids", "loss_mask", "position_ids")}
-                     for i in range(len(samples))], pad_id)
+    batch = collate(
+        [
+            {k: samples[i][k].tolist() for k in samples[i] if k in ("input_ids", "loss_mask", "position_ids")}
+            for i in range(len(samples))
+        ],
+        pad_id,
+    )
     T = batch["input_ids"].shape[1]
     for name in ("aux_hidden", "last_hidden"):
         width = samples[0][name].shape[-1]

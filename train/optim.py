@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 
-def adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+def adamw(
+    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)
+) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; norms and biases (1-D) never decay."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]

@@ -42,20 +42,33 @@ class SelfDistillConfig:
 
 @torch.no_grad()
 def write_self_distilled(
-    target: TargetModel, train_set: datasets.Dataset, cfg: SelfDistillConfig, path: str | Path, pad_id: int,
-    seed: int = 0, log=print,
+    target: TargetModel,
+    train_set: datasets.Dataset,
+    cfg: SelfDistillConfig,
+    path: str | Path,
+    pad_id: int,
+    seed: int = 0,
+    log=print,
 ) -> None:
     """Generate ``cfg.samples`` continuations of random training prompts and write them as jsonl rows."""
     rows = train_set.shuffle(seed=seed + 1).filter(lambda ids: len(ids) > cfg.prompt_tokens, input_columns="input_ids")
     prompts = [ids[: cfg.prompt_tokens] for ids in rows.select(range(min(cfg.samples, len(rows))))["input_ids"]]
     torch.manual_seed(seed)
-    sampling = {"do_sample": True, "temperature": cfg.temperature, "top_k": 0} if cfg.temperature else {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": cfg.temperature, "top_k": 0} if cfg.temperature else {"do_sample": False}
+    )
     out = []
     for start in range(0, len(prompts), cfg.batch_size):
         batch = torch.tensor(prompts[start : start + cfg.batch_size], device=target.device)  # equal lengths: no padding
-        generated = target.model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=cfg.new_tokens,
-                                          min_new_tokens=cfg.new_tokens, eos_token_id=None, pad_token_id=pad_id,
-                                          **sampling)
+        generated = target.model.generate(
+            batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=cfg.new_tokens,
+            min_new_tokens=cfg.new_tokens,
+            eos_token_id=None,
+            pad_token_id=pad_id,
+            **sampling,
+        )
         out += generated.tolist()
         log(f"self-distillation: {len(out)}/{len(prompts)} continuations")
     path = Path(path)
@@ -65,6 +78,8 @@ def write_self_distilled(
     tmp.replace(path)
 
 
-def load_self_distilled(path: str | Path, features: datasets.Features, cache_dir: str | None = None) -> datasets.Dataset:
+def load_self_distilled(
+    path: str | Path, features: datasets.Features, cache_dir: str | None = None
+) -> datasets.Dataset:
     """The written rows with the training set's features (through load_dataset, so the fingerprint is the file's)."""
     return datasets.load_dataset("json", data_files=str(path), split="train", features=features, cache_dir=cache_dir)

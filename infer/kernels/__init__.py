@@ -39,8 +39,15 @@ except ImportError:  # pragma: no cover - depends on the environment
 HAS_TRITON = _tv is not None
 ENV_VAR = "DRAFTERS_TRITON"
 
-__all__ = ["HAS_TRITON", "compact_kv", "compact_kv_reference", "rejection_disagreement", "use_triton",
-           "verify_greedy", "verify_rejection"]
+__all__ = [
+    "HAS_TRITON",
+    "compact_kv",
+    "compact_kv_reference",
+    "rejection_disagreement",
+    "use_triton",
+    "verify_greedy",
+    "verify_rejection",
+]
 
 
 def use_triton(device: torch.device, force_triton: bool | None = None) -> bool:
@@ -65,12 +72,19 @@ def verify_greedy(tree: DraftTree, target: torch.Tensor, *, force_triton: bool |
     return accept_greedy(tree, target) if is_logits else greedy_walk(tree, target)
 
 
-def verify_rejection(tree: DraftTree, p: torch.Tensor, accept_u: torch.Tensor, sample_u: torch.Tensor, *,
-                     force_triton: bool | None = None) -> AcceptResult:
+def verify_rejection(
+    tree: DraftTree,
+    p: torch.Tensor,
+    accept_u: torch.Tensor,
+    sample_u: torch.Tensor,
+    *,
+    force_triton: bool | None = None,
+) -> AcceptResult:
     """Lossless tree rejection sampling; ``p`` [B, n, V] warped target probs, uniforms [B, n]."""
     if use_triton(p.device, force_triton):
-        return AcceptResult(*_tv.rejection_verify(tree.tokens, tree.parents, tree.valid, p, tree.draft_probs,
-                                                  accept_u, sample_u))
+        return AcceptResult(
+            *_tv.rejection_verify(tree.tokens, tree.parents, tree.valid, p, tree.draft_probs, accept_u, sample_u)
+        )
     return accept_rejection(tree, p, accept_u, sample_u)
 
 
@@ -91,8 +105,14 @@ def compact_kv(kv: torch.Tensor, keep: torch.Tensor, *, force_triton: bool | Non
     return compact_kv_reference(kv, keep)
 
 
-def rejection_disagreement(tree: DraftTree, p: torch.Tensor, accept_u: torch.Tensor, sample_u: torch.Tensor,
-                           result: AcceptResult, rows: list[int] | None = None) -> torch.Tensor:
+def rejection_disagreement(
+    tree: DraftTree,
+    p: torch.Tensor,
+    accept_u: torch.Tensor,
+    sample_u: torch.Tensor,
+    result: AcceptResult,
+    rows: list[int] | None = None,
+) -> torch.Tensor:
     """How far ``result`` is from a float64 replay of ``accept_rejection``, per row: [len(rows)] float64.
 
     The replay follows ``result``'s own decisions (so its state is the state ``result`` saw) and, at each

@@ -61,11 +61,20 @@ MAX_BLOCK_V = 4096
 
 
 def _greedy_kernel(
-    tokens_ptr, parents_ptr, valid_ptr,  # [B, n] int64, int64, bool; contiguous
+    tokens_ptr,
+    parents_ptr,
+    valid_ptr,  # [B, n] int64, int64, bool; contiguous
     target_ptr,  # logits [B, n, V] (float, unit stride over V) or target argmax [B, n] int64 (contiguous)
-    path_ptr, length_ptr, bonus_ptr,  # outputs [B, n] int64, [B] int64, [B] int64
-    n, V, stride_tb, stride_tn,  # target strides (elements) for the logits case
-    HAS_LOGITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    path_ptr,
+    length_ptr,
+    bonus_ptr,  # outputs [B, n] int64, [B] int64, [B] int64
+    n,
+    V,
+    stride_tb,
+    stride_tn,  # target strides (elements) for the logits case
+    HAS_LOGITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     row = b * n  # offset of row b in the [B, n] inputs (int64: B * n * V overflows int32 at real sizes)
@@ -119,13 +128,27 @@ def _greedy_kernel(
 
 
 def _rejection_kernel(
-    tokens_ptr, parents_ptr, valid_ptr,  # [B, n] int64, int64, bool; contiguous
-    p_ptr, q_ptr,  # [B, n, V] target / draft probabilities (unit stride over V); q unused without HAS_Q
-    accept_u_ptr, sample_u_ptr,  # [B, n] float32 contiguous
-    r_ws_ptr, q_ws_ptr,  # [B, V] float32 workspaces: residual target / residual draft of the current node
-    path_ptr, length_ptr, bonus_ptr,  # outputs [B, n] int64, [B] int64, [B] int64
-    n, V, stride_pb, stride_pn, stride_qb, stride_qn,
-    HAS_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    tokens_ptr,
+    parents_ptr,
+    valid_ptr,  # [B, n] int64, int64, bool; contiguous
+    p_ptr,
+    q_ptr,  # [B, n, V] target / draft probabilities (unit stride over V); q unused without HAS_Q
+    accept_u_ptr,
+    sample_u_ptr,  # [B, n] float32 contiguous
+    r_ws_ptr,
+    q_ws_ptr,  # [B, V] float32 workspaces: residual target / residual draft of the current node
+    path_ptr,
+    length_ptr,
+    bonus_ptr,  # outputs [B, n] int64, [B] int64, [B] int64
+    n,
+    V,
+    stride_pb,
+    stride_pn,
+    stride_qb,
+    stride_qn,
+    HAS_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     row = b * n
@@ -147,12 +170,18 @@ def _rejection_kernel(
             x = tl.load(tokens_ptr + row + j)
             p_row = p_ptr + b * stride_pb + cur * stride_pn
             # masked loads: only one of the two sources is read
-            rx = tl.where(fresh, tl.load(p_row + x, mask=fresh, other=0.0).to(tl.float32),
-                          tl.load(r_ws + x, mask=not fresh, other=0.0))
+            rx = tl.where(
+                fresh,
+                tl.load(p_row + x, mask=fresh, other=0.0).to(tl.float32),
+                tl.load(r_ws + x, mask=not fresh, other=0.0),
+            )
             if HAS_Q:
                 q_row = q_ptr + b * stride_qb + cur * stride_qn
-                qx = tl.where(fresh_q, tl.load(q_row + x, mask=fresh_q, other=0.0).to(tl.float32),
-                              tl.load(q_ws + x, mask=not fresh_q, other=0.0))
+                qx = tl.where(
+                    fresh_q,
+                    tl.load(q_row + x, mask=fresh_q, other=0.0).to(tl.float32),
+                    tl.load(q_ws + x, mask=not fresh_q, other=0.0),
+                )
             else:
                 qx = 0.0
             det = qx <= 0.0  # one-hot draft (or q(x) == 0): subtract one-hot(x) instead of q
@@ -171,12 +200,18 @@ def _rejection_kernel(
                 for v0 in range(0, V, BLOCK_V):
                     offs = v0 + ar_v
                     mv = offs < V
-                    rv = tl.where(fresh, tl.load(p_row + offs, mask=mv & fresh, other=0.0).to(tl.float32),
-                                  tl.load(r_ws + offs, mask=mv & (not fresh), other=0.0))
+                    rv = tl.where(
+                        fresh,
+                        tl.load(p_row + offs, mask=mv & fresh, other=0.0).to(tl.float32),
+                        tl.load(r_ws + offs, mask=mv & (not fresh), other=0.0),
+                    )
                     hit = offs == x
                     if HAS_Q:
-                        qv = tl.where(fresh_q, tl.load(q_row + offs, mask=mv & fresh_q, other=0.0).to(tl.float32),
-                                      tl.load(q_ws + offs, mask=mv & (not fresh_q), other=0.0))
+                        qv = tl.where(
+                            fresh_q,
+                            tl.load(q_row + offs, mask=mv & fresh_q, other=0.0).to(tl.float32),
+                            tl.load(q_ws + offs, mask=mv & (not fresh_q), other=0.0),
+                        )
                         sub = tl.where(det, tl.where(hit, 1.0, 0.0), qv)
                         sq += tl.reduce(tl.where(hit, 0.0, qv), 0, _SUM)
                     else:
@@ -191,12 +226,18 @@ def _rejection_kernel(
                 for v0 in range(0, V, BLOCK_V):
                     offs = v0 + ar_v
                     mv = offs < V
-                    rv = tl.where(fresh, tl.load(p_row + offs, mask=mv & fresh, other=0.0).to(tl.float32),
-                                  tl.load(r_ws + offs, mask=mv & (not fresh), other=0.0))
+                    rv = tl.where(
+                        fresh,
+                        tl.load(p_row + offs, mask=mv & fresh, other=0.0).to(tl.float32),
+                        tl.load(r_ws + offs, mask=mv & (not fresh), other=0.0),
+                    )
                     hit = offs == x
                     if HAS_Q:
-                        qv = tl.where(fresh_q, tl.load(q_row + offs, mask=mv & fresh_q, other=0.0).to(tl.float32),
-                                      tl.load(q_ws + offs, mask=mv & (not fresh_q), other=0.0))
+                        qv = tl.where(
+                            fresh_q,
+                            tl.load(q_row + offs, mask=mv & fresh_q, other=0.0).to(tl.float32),
+                            tl.load(q_ws + offs, mask=mv & (not fresh_q), other=0.0),
+                        )
                         sub = tl.where(det, tl.where(hit, 1.0, 0.0), qv)
                         qz = tl.where(hit, 0.0, qv)
                         tl.store(q_ws + offs, tl.where(sq > 0.0, tl.math.div_rn(qz, sq_safe), qz), mask=mv)
@@ -218,8 +259,11 @@ def _rejection_kernel(
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + ar_v
         mv = offs < V
-        rv = tl.where(fresh, tl.load(p_row + offs, mask=mv & fresh, other=0.0).to(tl.float32),
-                      tl.load(r_ws + offs, mask=mv & (not fresh), other=0.0))
+        rv = tl.where(
+            fresh,
+            tl.load(p_row + offs, mask=mv & fresh, other=0.0).to(tl.float32),
+            tl.load(r_ws + offs, mask=mv & (not fresh), other=0.0),
+        )
         total += tl.reduce(rv.to(tl.float64), 0, _SUM)
         last_pos = tl.maximum(last_pos, tl.reduce(tl.where(rv > 0.0, offs, -1), 0, _MAX))
     threshold = tl.load(sample_u_ptr + row + cur) * total.to(tl.float32)
@@ -228,8 +272,11 @@ def _rejection_kernel(
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + ar_v
         mv = offs < V
-        rv = tl.where(fresh, tl.load(p_row + offs, mask=mv & fresh, other=0.0).to(tl.float32),
-                      tl.load(r_ws + offs, mask=mv & (not fresh), other=0.0))
+        rv = tl.where(
+            fresh,
+            tl.load(p_row + offs, mask=mv & fresh, other=0.0).to(tl.float32),
+            tl.load(r_ws + offs, mask=mv & (not fresh), other=0.0),
+        )
         rv64 = rv.to(tl.float64)
         cdf = (carry + tl.associative_scan(rv64, 0, _SUM)).to(tl.float32)
         count += tl.reduce(((cdf <= threshold) & mv).to(tl.int32), 0, _SUM)
@@ -241,10 +288,23 @@ def _rejection_kernel(
 
 
 def _compact_kv_kernel(
-    kv_ptr, keep_ptr, out_ptr,  # kv [B, H, S, D] (any strides), keep [B, L] int64 (unit stride over L), out [B, H, L, D]
-    H, L, D,
-    s_kb, s_kh, s_ks, s_kd, s_ob, s_oh, s_ol, s_od, s_keep,
-    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    kv_ptr,
+    keep_ptr,
+    out_ptr,  # kv [B, H, S, D] (any strides), keep [B, L] int64 (unit stride over L), out [B, H, L, D]
+    H,
+    L,
+    D,
+    s_kb,
+    s_kh,
+    s_ks,
+    s_kd,
+    s_ob,
+    s_oh,
+    s_ol,
+    s_od,
+    s_keep,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     b = pid_bh // H
@@ -288,8 +348,9 @@ def _tree_inputs(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tenso
     return tokens.long().contiguous(), parents.long().contiguous(), valid.bool().contiguous()
 
 
-def greedy_verify(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, target: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def greedy_verify(
+    tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tree greedy verify. ``target``: logits [B, n, V] (fp32 / bf16 / fp16) or the target argmax [B, n] (int).
 
     Returns (path [B, n], length [B], bonus [B]), int64, as ``infer.accept.accept_greedy``.
@@ -312,14 +373,35 @@ def greedy_verify(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tens
     bonus = torch.empty(B, dtype=torch.int64, device=tokens.device)
     bv = _block_v(V)
     _kernel("greedy", tokens.device)[(B,)](
-        tokens, parents, valid, target, path, length, bonus, n, V, stride_tb, stride_tn,
-        HAS_LOGITS=has_logits, BLOCK_N=_block_n(n), BLOCK_V=bv, num_warps=_num_warps(bv), **_LAUNCH)
+        tokens,
+        parents,
+        valid,
+        target,
+        path,
+        length,
+        bonus,
+        n,
+        V,
+        stride_tb,
+        stride_tn,
+        HAS_LOGITS=has_logits,
+        BLOCK_N=_block_n(n),
+        BLOCK_V=bv,
+        num_warps=_num_warps(bv),
+        **_LAUNCH,
+    )
     return path, length, bonus
 
 
-def rejection_verify(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, p: torch.Tensor,
-                     q: torch.Tensor | None, accept_u: torch.Tensor, sample_u: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rejection_verify(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    valid: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    accept_u: torch.Tensor,
+    sample_u: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tree rejection sampling: ``p`` [B, n, V] target probs, ``q`` [B, n, V] draft probs or None (one-hot drafts),
     ``accept_u`` / ``sample_u`` [B, n] uniforms. Returns (path, length, bonus) as ``infer.accept.accept_rejection``.
     """
@@ -348,9 +430,30 @@ def rejection_verify(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.T
     bonus = torch.empty(B, dtype=torch.int64, device=p.device)
     bv = _block_v(V)
     _kernel("rejection", p.device)[(B,)](
-        tokens, parents, valid, p, q, accept_u, sample_u, r_ws, q_ws, path, length, bonus,
-        n, V, p.stride(0), p.stride(1), sq[0], sq[1],
-        HAS_Q=q_ws is not r_ws, BLOCK_N=_block_n(n), BLOCK_V=bv, num_warps=_num_warps(bv), **_LAUNCH)
+        tokens,
+        parents,
+        valid,
+        p,
+        q,
+        accept_u,
+        sample_u,
+        r_ws,
+        q_ws,
+        path,
+        length,
+        bonus,
+        n,
+        V,
+        p.stride(0),
+        p.stride(1),
+        sq[0],
+        sq[1],
+        HAS_Q=q_ws is not r_ws,
+        BLOCK_N=_block_n(n),
+        BLOCK_V=bv,
+        num_warps=_num_warps(bv),
+        **_LAUNCH,
+    )
     return path, length, bonus
 
 
@@ -369,8 +472,19 @@ def compact_kv(kv: torch.Tensor, keep: torch.Tensor, block_l: int = 32) -> torch
         return out
     grid = (B * H, triton.cdiv(L, block_l))
     _kernel("compact_kv", kv.device)[grid](
-        kv, keep, out, H, L, D, *kv.stride(), *out.stride(), keep.stride(0),
-        BLOCK_L=block_l, BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)
+        kv,
+        keep,
+        out,
+        H,
+        L,
+        D,
+        *kv.stride(),
+        *out.stride(),
+        keep.stride(0),
+        BLOCK_L=block_l,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        num_warps=4,
+    )
     return out
 
 
@@ -389,23 +503,60 @@ def compile_for_nvidia(capability: int = 90, warp_size: int = 32) -> dict[str, i
     variants = {}
     for has_logits, dt in ((True, "*fp32"), (True, "*bf16"), (False, "*i64")):
         for bv in (16, MAX_BLOCK_V):
-            sig = {**tree, "target_ptr": dt, **out3, "n": "i32", "V": "i32", "stride_tb": "i64", "stride_tn": "i64",
-                   "HAS_LOGITS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_V": "constexpr"}
+            sig = {
+                **tree,
+                "target_ptr": dt,
+                **out3,
+                "n": "i32",
+                "V": "i32",
+                "stride_tb": "i64",
+                "stride_tn": "i64",
+                "HAS_LOGITS": "constexpr",
+                "BLOCK_N": "constexpr",
+                "BLOCK_V": "constexpr",
+            }
             const = {"HAS_LOGITS": has_logits, "BLOCK_N": 64, "BLOCK_V": bv}
-            variants[f"greedy[logits={dt if has_logits else None},BLOCK_V={bv}]"] = (_KERNELS["greedy"][0], sig, const,
-                                                                                  _num_warps(bv))
+            variants[f"greedy[logits={dt if has_logits else None},BLOCK_V={bv}]"] = (
+                _KERNELS["greedy"][0],
+                sig,
+                const,
+                _num_warps(bv),
+            )
     for has_q in (True, False):
         for bv in (16, MAX_BLOCK_V):
-            sig = {**tree, "p_ptr": "*fp32", "q_ptr": "*fp32", "accept_u_ptr": "*fp32", "sample_u_ptr": "*fp32",
-                   "r_ws_ptr": "*fp32", "q_ws_ptr": "*fp32", **out3, "n": "i32", "V": "i32", "stride_pb": "i64",
-                   "stride_pn": "i64", "stride_qb": "i64", "stride_qn": "i64",
-                   "HAS_Q": "constexpr", "BLOCK_N": "constexpr", "BLOCK_V": "constexpr"}
+            sig = {
+                **tree,
+                "p_ptr": "*fp32",
+                "q_ptr": "*fp32",
+                "accept_u_ptr": "*fp32",
+                "sample_u_ptr": "*fp32",
+                "r_ws_ptr": "*fp32",
+                "q_ws_ptr": "*fp32",
+                **out3,
+                "n": "i32",
+                "V": "i32",
+                "stride_pb": "i64",
+                "stride_pn": "i64",
+                "stride_qb": "i64",
+                "stride_qn": "i64",
+                "HAS_Q": "constexpr",
+                "BLOCK_N": "constexpr",
+                "BLOCK_V": "constexpr",
+            }
             const = {"HAS_Q": has_q, "BLOCK_N": 64, "BLOCK_V": bv}
             variants[f"rejection[q={has_q},BLOCK_V={bv}]"] = (_KERNELS["rejection"][0], sig, const, _num_warps(bv))
     for dt in ("*bf16", "*fp32"):
-        sig = {"kv_ptr": dt, "keep_ptr": "*i64", "out_ptr": dt, "H": "i32", "L": "i32", "D": "i32",
-               **{k: "i64" for k in ("s_kb", "s_kh", "s_ks", "s_kd", "s_ob", "s_oh", "s_ol", "s_od", "s_keep")},
-               "BLOCK_L": "constexpr", "BLOCK_D": "constexpr"}
+        sig = {
+            "kv_ptr": dt,
+            "keep_ptr": "*i64",
+            "out_ptr": dt,
+            "H": "i32",
+            "L": "i32",
+            "D": "i32",
+            **{k: "i64" for k in ("s_kb", "s_kh", "s_ks", "s_kd", "s_ob", "s_oh", "s_ol", "s_od", "s_keep")},
+            "BLOCK_L": "constexpr",
+            "BLOCK_D": "constexpr",
+        }
         variants[f"compact_kv[{dt}]"] = (_KERNELS["compact_kv"][0], sig, {"BLOCK_L": 32, "BLOCK_D": 128}, 4)
     sizes = {}
     for name, (fn, sig, const, warps) in variants.items():

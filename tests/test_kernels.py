@@ -68,11 +68,9 @@ def greedy_case(
     """A tree whose tokens copy the target argmax at their parent with prob 0.6 (ragged acceptance)."""
     gen = torch.Generator().manual_seed(seed)
     parents, valid = random_parents(B, n, kind, gen)
-    if logits is not None:
-        pass
-    elif ties:  # small integer logits: many exact ties, so argmax must take the first maximal index
+    if logits is None and ties:  # small integer logits: many exact ties, so argmax must take the first maximal index
         logits = torch.randint(0, 3, (B, n, V), generator=gen).float()
-    else:
+    elif logits is None:
         logits = torch.randn(B, n, V, generator=gen)
     tstar = logits.argmax(-1)
     tokens = torch.randint(0, V, (B, n), generator=gen)

@@ -122,6 +122,28 @@ def test_offline_cache_round_trip_and_disk_refusal(tmp_path, tiny_target, monkey
     assert not list((tmp_path / "b").glob("*.safetensors"))
 
 
+def test_self_distilled_rows_are_the_targets_greedy_continuations(tmp_path, tiny_target):
+    import datasets
+
+    from infer.generate import generate_vanilla
+    from infer.sampling import SamplingParams
+    from train.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled
+
+    features = datasets.Features(
+        {"input_ids": datasets.List(datasets.Value("int32")), "loss_mask": datasets.List(datasets.Value("int8"))}
+    )
+    rows = [{"input_ids": list(range(1 + i, 12 + i)), "loss_mask": [1] * 11} for i in range(5)]
+    ds = datasets.Dataset.from_list(rows, features=features)
+    cfg = SelfDistillConfig(samples=3, prompt_tokens=6, new_tokens=5, batch_size=2)
+    write_self_distilled(tiny_target, ds, cfg, tmp_path / "sd.jsonl", pad_id=0, log=lambda m: None)
+    out = load_self_distilled(tmp_path / "sd.jsonl", features, cache_dir=str(tmp_path / "cache"))
+    assert len(out) == 3 and all(len(r) == 11 for r in out["input_ids"]) and all(all(m) for m in out["loss_mask"])
+    for ids in out["input_ids"]:
+        prompt = ids[:6]
+        assert prompt in [r["input_ids"][:6] for r in rows]
+        assert ids[6:] == generate_vanilla(tiny_target, [prompt], SamplingParams(max_new_tokens=5)).tokens[0]
+
+
 # ------------------------------------------------------------------------------------ whole recipe runs
 @pytest.fixture(scope="module")
 def tiny_recipe(tmp_path_factory):

@@ -26,7 +26,7 @@ from infer.generate import Proposer
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
 from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
-from models.eagle3 import Eagle3Drafter
+from models.eagle3 import Eagle3Drafter, FusedStep
 
 
 class Eagle3Proposer(Proposer):
@@ -50,6 +50,7 @@ class Eagle3Proposer(Proposer):
         if tree is not None and static_paths is not None:
             raise ValueError("choose a dynamic tree or static paths, not both")
         self.drafter, self.k, self.tree, self.static_paths = drafter.eval(), k, tree, static_paths
+        self.fused = FusedStep(drafter)  # the drafter's step in fewer kernels (a snapshot: build after training)
         self.device = drafter.fc.weight.device
         self.dtype = drafter.fc.weight.dtype
         self.vocab_size = drafter.config.vocab_size
@@ -118,7 +119,7 @@ class Eagle3Proposer(Proposer):
         # padded queries see themselves only so no softmax row is empty (their outputs are discarded)
         new_allowed = (causal[None] & valid[:, None, :]) | torch.eye(m, dtype=torch.bool, device=self.device)[None]
         allowed = torch.cat([self.kv_valid[:, None, :].expand(B, m, -1), new_allowed], 2)
-        out = self.drafter.step(
+        out = self.fused.step(
             self.drafter.project_features(features),
             tokens,
             positions,
@@ -135,7 +136,7 @@ class Eagle3Proposer(Proposer):
         # a row without new pairs this round cannot happen after the first round (the root is always observed)
         has_pairs = torch.tensor([f > 0 for f in self.fed], device=self.device)
         hidden = out.hidden[rows, last]
-        return hidden, self.drafter.compute_logits(hidden), has_pairs
+        return hidden, self.fused.logits(hidden), has_pairs
 
     def _full_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[.., Vd] draft-vocab logits → [.., V] float32 target-vocab logits (-inf outside the draft vocab), for
@@ -189,7 +190,7 @@ class Eagle3Proposer(Proposer):
             if i + 1 < self.k:
                 # the new node sees the row's valid pairs and, through kv_valid, the chain drafted so far
                 allowed = torch.cat([self.kv_valid[:, None, :], one], 2)
-                out = self.drafter.step(
+                out = self.fused.step(
                     hidden[:, None], nxt[:, None], (depth_pos + i)[:, None], allowed, self.keys, self.values
                 )
                 self._append(out, one[:, 0])
@@ -219,7 +220,7 @@ class Eagle3Proposer(Proposer):
             own = torch.eye(k, dtype=torch.bool, device=self.device)[None].expand(B, k, k)
             allowed = torch.cat([self.kv_valid[:, None, :start].expand(B, k, -1), frontier_anc, own], 2)
             positions = (pair_count + frontier_depth - 1)[:, None].expand(B, k)
-            out = self.drafter.step(
+            out = self.fused.step(
                 parent_hidden, self.draft_to_target[frontier_ids], positions, allowed, self.keys, self.values
             )
             self._append(out, torch.ones(B, k, dtype=torch.bool, device=self.device))

@@ -339,12 +339,15 @@ def keep_accepted(state: DecodeState, result: AcceptResult, n: int) -> torch.Ten
     S_old = state.kv_valid.shape[1]
     L = int(result.length.max())
     keep = result.path[:, :L].clamp(min=0)  # -1 padding → node 0; those slots are marked invalid below
+    steps = torch.arange(L, device=keep.device)[None]
+    new_valid = steps < result.length[:, None]
+    # chains (and trees whose first branch won) accept nodes 0..L-1, already in place: then only truncate
+    moved = not bool(((keep == steps) | ~new_valid).all())
     for layer in state.cache.layers:
-        # write the accepted path over the start of the tree region, then drop the rest (a view, no copy)
-        layer.keys[:, :, S_old : S_old + L] = compact_kv(layer.keys[:, :, S_old:], keep)
-        layer.values[:, :, S_old : S_old + L] = compact_kv(layer.values[:, :, S_old:], keep)
-        layer.keys, layer.values = layer.keys[:, :, : S_old + L], layer.values[:, :, : S_old + L]
-    new_valid = torch.arange(L, device=keep.device)[None] < result.length[:, None]
+        if moved:  # write the accepted path over the start of the tree region
+            layer.keys[:, :, S_old : S_old + L] = compact_kv(layer.keys[:, :, S_old:], keep)
+            layer.values[:, :, S_old : S_old + L] = compact_kv(layer.values[:, :, S_old:], keep)
+        layer.keys, layer.values = layer.keys[:, :, : S_old + L], layer.values[:, :, : S_old + L]  # views, no copy
     state.kv_valid = torch.cat([state.kv_valid, new_valid], 1)
     return result.length
 

@@ -15,7 +15,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from models.eagle3 import Eagle3Config, Eagle3Drafter
+from models.eagle3 import Eagle3Config, Eagle3Drafter, FusedStep
 from models.target import TargetModel
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage
 
@@ -104,6 +104,31 @@ def test_ttt_unroll_equals_inference_path():
             for i in range(4):
                 ref = _inference_chain(drafter, feats, ids, t, i)
                 torch.testing.assert_close(ttt[i][:, t], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_step_equals_module_step(arch):
+    """The runtime's fused snapshot (q/k/v and gate/up fused, norm weights folded) computes what ``step`` computes:
+    batch 2, several new tokens, a cache with holes, grouped-query attention, non-unit norm weights."""
+    target = make_target(arch)
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=64)
+    torch.manual_seed(4)
+    for p in drafter.parameters():
+        if p.requires_grad:
+            p.data.add_(0.3 * torch.randn_like(p))
+    fused = FusedStep(drafter)
+    B, S, m, H = 2, 7, 3, drafter.config.hidden_size
+    kv = (B, drafter.config.num_key_value_heads, S, drafter.config.head_dim)
+    past_k, past_v = torch.randn(kv), torch.randn(kv)
+    allowed = torch.rand(B, m, S + m) < 0.7
+    allowed[..., S:] = torch.eye(m, dtype=torch.bool)  # every query sees itself
+    args = (torch.randn(B, m, H), torch.randint(0, 96, (B, m)), torch.randint(0, 250, (B, m)), allowed, past_k, past_v)
+    with torch.no_grad():
+        want, got = drafter.step(*args), fused.step(*args)
+    for name in ("hidden", "logits", "keys", "values"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5, msg=name)
+    assert got.logits.argmax(-1).eq(want.logits.argmax(-1)).all()
+    torch.testing.assert_close(fused.logits(args[0]), drafter.compute_logits(args[0]), rtol=1e-5, atol=1e-5)
 
 
 def test_ttt_respects_sample_boundaries():

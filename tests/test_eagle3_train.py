@@ -267,6 +267,22 @@ def test_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp_path, 
     state = load_file(str(out / "state" / "model.safetensors"))  # accelerate's resumable state holds every weight
     assert torch.equal(state["embed_tokens.weight"], target_embed)  # frozen: still the target's
 
+    # report mode on the saved checkpoint, target taken from its drafters block
+    recipe.main(
+        [
+            "report",
+            "--drafter",
+            str(out),
+            "report.prompts=2",
+            "report.max_new_tokens=8",
+            "report.chain_k=2",
+            "report.tree_total_tokens=0",
+            "report.draft_model=null",
+        ]
+    )
+    rows = json.loads((out / "report.json").read_text())["results"]
+    assert [r["setting"] for r in rows] == ["chain 10", "chain 2"] and rows[1]["greedy_identical"] == 1.0
+
 
 @pytest.mark.integration
 def test_offline_features_match_online_losses(tiny_recipe, tmp_path):

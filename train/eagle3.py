@@ -228,14 +228,16 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
 
 def report_main(argv: list[str]) -> None:
     """``report --drafter DIR [--config FILE] [overrides]``: measure any checkpoint with the verify runtime."""
-    args = list(argv)
-    if "--drafter" not in args:
-        raise SystemExit("report mode needs --drafter DIR")
-    drafter_dir = args.pop(args.index("--drafter") + 1)
-    args.remove("--drafter")
-    _, info = read_checkpoint_config(drafter_dir)
-    recipe = "--config" in args or any(a.startswith("--config=") for a in args)
+    args, drafter_dir = list(argv), None
+    if "--drafter" in args:
+        i = args.index("--drafter")
+        drafter_dir, args = args[i + 1], args[:i] + args[i + 2 :]
+    recipe = any(a == "--config" or a.startswith("--config=") for a in args)
     cfg = parse_cli(Eagle3RecipeConfig if recipe else ReportOnlyConfig, args)
+    drafter_dir = drafter_dir or cfg.report.drafter_dir or (cfg.train.output_dir if recipe else None)
+    if drafter_dir is None:
+        raise SystemExit("report mode needs --drafter DIR (or --config with train.output_dir / report.drafter_dir)")
+    _, info = read_checkpoint_config(drafter_dir)
     target_cfg = cfg.target or TargetConfig(name_or_path=info.target_name, aux_layer_ids=info.aux_layer_ids)
     if target_cfg.aux_layer_ids is None:
         target_cfg.aux_layer_ids = info.aux_layer_ids
@@ -288,6 +290,7 @@ def main(argv: list[str]) -> None:
                     )
         train_set, summary = build_dataset(cfg.data, tokenizer)
         eval_set = build_dataset(cfg.eval_data, tokenizer)[0] if cfg.eval_data is not None else None
+    prompt_pool = train_set  # self-distillation draws its prompts from the whole split, not the subset below
     if (
         tc.max_train_samples is not None
     ):  # a seeded random subset: the corpus is in file order, its head is a few modules
@@ -304,7 +307,7 @@ def main(argv: list[str]) -> None:
             raise SystemExit("self_distill adds unpacked samples; it cannot be combined with data.packing")
         distilled = out / "self_distill.jsonl"
         if accelerator.is_main_process and not distilled.exists():
-            write_self_distilled(target, train_set, cfg.self_distill, distilled, pad_id, tc.seed, log)
+            write_self_distilled(target, prompt_pool, cfg.self_distill, distilled, pad_id, tc.seed, log)
         accelerator.wait_for_everyone()
         extra = load_self_distilled(distilled, train_set.features, cfg.data.cache_dir)
         train_set = datasets.concatenate_datasets([train_set, extra])

@@ -55,7 +55,7 @@ class ReportConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     """Sampling temperatures to measure (0 = greedy, with the token-identity check)."""
     drafter_dir: str | None = None
-    """``report`` mode: checkpoint to measure (default: train.output_dir)."""
+    """``report`` mode without --drafter: checkpoint to measure (default: train.output_dir of the --config recipe)."""
 
     def __post_init__(self) -> None:
         if self.prompt_source not in PROMPT_SOURCES:

@@ -1,0 +1,178 @@
+"""Verify-cost curve: what one target forward over n draft tokens costs, next to what a draft step costs.
+
+Sizing a tree needs these numbers, not FLOPs: at batch 1 on a CPU a forward is dominated by per-op dispatch and
+weight reads, and the marginal cost of one more verified token decides whether a deeper tree pays. Speculative
+decoding wins ``τ · t(1) / (t_draft + t(n) + bookkeeping)`` per round, so the curve ``t(n) / t(1)`` and the draft
+step cost bound what any drafter can reach.
+
+Usage::
+
+    python -m eval.cost_curve                                   # reference target, its draft model
+    python -m eval.cost_curve --drafter outputs/reference-eagle3  # also the EAGLE-3 drafter's step
+
+Times are medians over ``--reps`` repetitions, with the sizes interleaved within each repetition so that machine
+noise hits every size alike. Writes ``cost_curve.json`` and ``cost_curve.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from infer.generate import DecodeState, prefill, verify_tree
+from infer.sampling import SamplingParams
+from infer.tree import chain
+from models.target import TargetConfig, TargetModel, load_tokenizer
+from train.stdlib_corpus import heldout_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def verify_costs(target: TargetModel, context: list[int], sizes: tuple[int, ...], reps: int, aux: bool) -> dict:
+    """Median seconds of ``verify_tree`` over a chain of n nodes after ``context``; the cache is cut back after
+    each call so every call sees the same context length."""
+    state = DecodeState([context], SamplingParams(max_new_tokens=1), (), target.device)
+    prefill(target, state, capture_aux=aux)
+    S = state.kv_valid.shape[1]
+    trees = {n: chain(torch.randint(0, target.vocab_size, (1, n), device=target.device)) for n in sizes}
+
+    def run(n: int) -> None:
+        verify_tree(target, state, trees[n], capture_aux=aux)
+        for layer in state.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :S], layer.values[:, :, :S]
+
+    for n in sizes:  # warm-up
+        run(n)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(reps):
+        for n in sizes:
+            times[n].append(_timed(lambda n=n: run(n)))
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+@torch.inference_mode()
+def vanilla_step_cost(model, context: list[int], reps: int) -> float:
+    """Median seconds of one cached single-token forward without a mask (the batch-1 vanilla loop's step)."""
+    cache = DynamicCache()
+    model(input_ids=torch.tensor([context[:-1]]), cache=cache, use_cache=True)
+    x = torch.tensor([[context[-1]]])
+
+    def run() -> None:
+        model(input_ids=x, cache=cache, use_cache=True)
+        cache.crop(-1)  # transformers 5: a negative count removes that many tokens
+
+    run()
+    return statistics.median(_timed(run) for _ in range(reps))
+
+
+@torch.inference_mode()
+def eagle3_step_costs(target: TargetModel, drafter_dir: str, context_len: int, reps: int) -> dict:
+    """Median seconds of one EAGLE-3 drafter step (1 new token, ``context_len`` cached pairs): module and fused."""
+    from models.eagle3 import Eagle3Drafter, FusedStep
+
+    drafter = Eagle3Drafter.from_pretrained(drafter_dir, target).eval()
+    fused, cfg = FusedStep(drafter), drafter.config
+    kv = torch.randn(1, cfg.num_key_value_heads, context_len, cfg.head_dim)
+    args = (
+        torch.randn(1, 1, cfg.hidden_size),
+        torch.tensor([[1]]),
+        torch.tensor([[context_len]]),
+        torch.ones(1, 1, context_len + 1, dtype=torch.bool),
+        kv,
+        kv.clone(),
+    )
+    out = {}
+    for name, step in (("module", drafter.step), ("fused", fused.step)):
+        step(*args)
+        out[name] = statistics.median(_timed(lambda step=step: step(*args)) for _ in range(reps))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(ROOT / "models" / "reference_target"))
+    ap.add_argument("--draft", default=str(ROOT / "models" / "reference_draft"), help="small draft model ('' = none)")
+    ap.add_argument("--drafter", default=None, help="EAGLE-3 checkpoint whose step to time")
+    ap.add_argument("--context", type=int, default=256, help="tokens already in the cache")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=str(ROOT / "docs"))
+    args = ap.parse_args()
+
+    tokenizer = load_tokenizer(args.target)
+    aux = None
+    if args.drafter:
+        from models.eagle3 import read_checkpoint_config
+
+        aux = read_checkpoint_config(args.drafter)[1].aux_layer_ids
+    target = TargetModel.from_config(TargetConfig(name_or_path=args.target, dtype="float32", aux_layer_ids=aux))
+    ids = [t for p in heldout_prompts(tokenizer, n=8) for t in p["prompt_ids"]]
+    if len(ids) < args.context + 1:
+        raise SystemExit(f"held-out prompts give {len(ids)} tokens, fewer than --context {args.context}")
+    context = ids[: args.context + 1]
+    print(f"target {args.target}, context {args.context}, {args.reps} reps, torch threads {torch.get_num_threads()}")
+
+    result = {
+        "target": args.target,
+        "context": args.context,
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "vanilla_step_s": vanilla_step_cost(target.model, context, args.reps),
+        "verify_s": verify_costs(target, context, SIZES, args.reps, aux=False),
+        "verify_with_features_s": verify_costs(target, context, SIZES, args.reps, aux=True),
+    }
+    if args.draft:
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+        result["draft_model_step_s"] = vanilla_step_cost(draft, context, args.reps)
+    if args.drafter:
+        result["eagle3_step_s"] = eagle3_step_costs(target, args.drafter, args.context, args.reps)
+
+    t1 = result["vanilla_step_s"]
+    lines = [
+        f"# Verify-cost curve ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"Target `{Path(args.target).name}`, fp32, {result['machine']}, torch threads {result['threads']}, "
+        f"{args.context} tokens in the cache, medians of {args.reps} interleaved repetitions "
+        "(`python -m eval.cost_curve`).",
+        "",
+        f"Vanilla step (1 token, no mask): {1e3 * t1:.2f} ms.",
+        "",
+        "| verified tokens n | verify ms | × vanilla step | with EAGLE-3 features ms |",
+        "|---|---|---|---|",
+    ]
+    for n in SIZES:
+        v, vf = result["verify_s"][n], result["verify_with_features_s"][n]
+        lines.append(f"| {n} | {1e3 * v:.2f} | {v / t1:.2f} | {1e3 * vf:.2f} |")
+    lines.append("")
+    if "draft_model_step_s" in result:
+        s = result["draft_model_step_s"]
+        lines.append(f"Draft model step (1 token): {1e3 * s:.2f} ms = {s / t1:.2f} × the vanilla step.")
+    if "eagle3_step_s" in result:
+        e = result["eagle3_step_s"]
+        lines.append(
+            f"EAGLE-3 drafter step (1 token): {1e3 * e['fused']:.2f} ms fused, {1e3 * e['module']:.2f} ms module path "
+            f"= {e['fused'] / t1:.2f} × the vanilla step."
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cost_curve.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "cost_curve.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

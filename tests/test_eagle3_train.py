@@ -220,6 +220,10 @@ def recipe_args(root: Path, out: Path, *extra: str) -> list[str]:
         "report.tree_depth=3",
         "report.tree_total_tokens=6",
         "report.draft_model=null",
+        "self_distill.samples=6",
+        "self_distill.prompt_tokens=16",
+        "self_distill.new_tokens=12",
+        "self_distill.batch_size=4",
         *extra,
     ]
 
@@ -249,8 +253,12 @@ def test_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp_path, 
     steps = [r for r in log if "step" in r]
     assert [r["step"] for r in steps] == [2, 4] and len(steps[-1]["acc"]) == 3 and "eval/simulated_tau" in steps[-1]
     report = json.loads((out / "report.json").read_text())
-    greedy = [r for r in report["results"] if r["proposer"] == "eagle3"]
+    rows = [r for r in report["results"] if r["proposer"] == "eagle3"]
+    greedy = [r for r in rows if r["temperature"] == 0.0]
     assert len(greedy) == 2 and all(r["greedy_identical"] == 1.0 for r in greedy)
+    sampled = [r for r in rows if r["temperature"] == 1.0]  # the recipe also reports T = 1 (no identity check there)
+    assert len(sampled) == 2 and all(r["greedy_identical"] is None and r["tau"] >= 1.0 for r in sampled)
+    assert len((out / "self_distill.jsonl").read_text().splitlines()) == 6
     first = load_file(str(out / "model.safetensors"))
 
     # resume: the same command with more steps continues at step 4 and changes only trainable weights

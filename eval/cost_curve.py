@@ -62,6 +62,8 @@ def verify_costs(target: TargetModel, context: list[int], sizes: tuple[int, ...]
     for _ in range(reps):
         for n in sizes:
             times[n].append(_timed(lambda n=n: run(n)))
+    if any(layer.keys.shape[2] != S for layer in state.cache.layers):
+        raise RuntimeError("the cache grew during timing: later sizes saw a longer context")
     return {n: statistics.median(t) for n, t in times.items()}
 
 

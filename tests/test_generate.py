@@ -143,3 +143,14 @@ def test_typical_acceptance_runs_and_is_labelled(tiny_target):
 def test_bad_tree_is_rejected():
     with pytest.raises(ValueError, match="parent"):
         DraftTree(torch.tensor([[1, 2]]), torch.tensor([[-1, 1]]), torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_cost_curve_times_every_size_at_a_fixed_context(tiny_target):
+    """eval/cost_curve's timers: one entry per size; verify_costs raises if the cache is not cut back after each
+    call (every size must see the same context)."""
+    from eval.cost_curve import vanilla_step_cost, verify_costs
+
+    context = PROMPTS[2]
+    costs = verify_costs(tiny_target, context, (1, 3, 8), reps=2, aux=True)
+    assert sorted(costs) == [1, 3, 8] and all(c > 0 for c in costs.values())
+    assert vanilla_step_cost(tiny_target.model, context, reps=2) > 0

@@ -291,9 +291,8 @@ def main(argv: list[str]) -> None:
         train_set, summary = build_dataset(cfg.data, tokenizer)
         eval_set = build_dataset(cfg.eval_data, tokenizer)[0] if cfg.eval_data is not None else None
     prompt_pool = train_set  # self-distillation draws its prompts from the whole split, not the subset below
-    if (
-        tc.max_train_samples is not None
-    ):  # a seeded random subset: the corpus is in file order, its head is a few modules
+    # a seeded random subset: the corpus is in file order, its head is a few modules
+    if tc.max_train_samples is not None:
         train_set = train_set.shuffle(seed=tc.seed).select(range(min(tc.max_train_samples, len(train_set))))
     log(
         f"data: {summary['kept']} samples kept of {summary['rows']} ({summary['loss_tokens']:,} loss tokens), "

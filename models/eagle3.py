@@ -377,12 +377,7 @@ class FusedStep:
         cfg, layer = drafter.config, drafter.midlayer
         attn = layer.self_attn
         self.drafter, self.eps = drafter, cfg.rms_norm_eps
-        self.nh, self.nkv, self.d, self.H = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            cfg.hidden_size,
-        )
+        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         with torch.no_grad():
             in_scale = torch.cat([layer.input_layernorm.weight, layer.hidden_norm.weight])  # embedding first, as concat
             self.w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) * in_scale

@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 from pathlib import Path
@@ -48,3 +49,45 @@ def tiny_target():
 @pytest.fixture(scope="session")
 def tiny_draft():
     return tiny_llama(layers=1, hidden=32, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_recipe(tmp_path_factory):
+    """A tiny target directory (model + tokenizer) and train / held-out text jsonl files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from train.stdlib_corpus import stdlib_root
+
+    root = tmp_path_factory.mktemp("eagle3_recipe")
+    files = sorted(stdlib_root().glob("*.py"))[:24]
+    texts = [f.read_text(encoding="utf-8", errors="ignore") for f in files]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+    target_dir = root / "target"
+    hf_tok.save_pretrained(target_dir)
+    tiny_llama(vocab=len(hf_tok), layers=2, hidden=32).save_pretrained(target_dir)
+
+    def chunks(ts):
+        for t in ts:
+            lines = t.splitlines(keepends=True)
+            for i in range(0, len(lines), 12):
+                if "".join(lines[i : i + 12]).strip():
+                    yield {"text": "".join(lines[i : i + 12])}
+
+    for name, ts in (("train", texts[:20]), ("heldout", texts[20:])):
+        with open(root / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in list(chunks(ts))[:120])
+    return root

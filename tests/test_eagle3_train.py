@@ -23,11 +23,11 @@ from train.optim import warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RECIPES = sorted((ROOT / "recipes").glob("*/eagle3.yaml"))
+RECIPES = sorted((ROOT / "recipes").glob("*/eagle3*.yaml"))
 
 
 # ----------------------------------------------------------------------------------------- default tier
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_shipped_recipe_parses_and_names_its_launch_command(path):
     cfg = parse_cli(recipe.Eagle3RecipeConfig, ["--config", str(path)])
     assert cfg.drafter.ttt_steps >= 1 and cfg.train.output_dir
@@ -142,6 +142,18 @@ def test_self_distilled_rows_are_the_targets_greedy_continuations(tmp_path, tiny
         prompt = ids[:6]
         assert prompt in [r["input_ids"][:6] for r in rows]
         assert ids[6:] == generate_vanilla(tiny_target, [prompt], SamplingParams(max_new_tokens=5)).tokens[0]
+    # more samples than prompts: one continuation per prompt, and the shortfall is said
+    said: list[str] = []
+    write_self_distilled(
+        tiny_target,
+        ds,
+        SelfDistillConfig(samples=9, prompt_tokens=6, new_tokens=2),
+        tmp_path / "b.jsonl",
+        0,
+        log=said.append,
+    )
+    assert len((tmp_path / "b.jsonl").read_text().splitlines()) == 5
+    assert "asked for 9 samples, but only 5" in said[0]
 
 
 # ------------------------------------------------------------------------------------ whole recipe runs

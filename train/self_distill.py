@@ -52,6 +52,11 @@ def write_self_distilled(
 ) -> None:
     """Generate ``cfg.samples`` continuations of random training prompts and write them as jsonl rows."""
     rows = train_set.shuffle(seed=seed + 1).filter(lambda ids: len(ids) > cfg.prompt_tokens, input_columns="input_ids")
+    if len(rows) < cfg.samples:  # one continuation per prompt: a small split caps the count, said once here
+        log(
+            f"self-distillation: asked for {cfg.samples} samples, but only {len(rows)} training samples are longer "
+            f"than prompt_tokens={cfg.prompt_tokens}; generating {len(rows)}"
+        )
     prompts = [ids[: cfg.prompt_tokens] for ids in rows.select(range(min(cfg.samples, len(rows))))["input_ids"]]
     torch.manual_seed(seed)
     sampling = (

@@ -91,3 +91,44 @@ def tiny_recipe(tmp_path_factory):
         with open(root / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in list(chunks(ts))[:120])
     return root
+
+
+def recipe_args(root: Path, out: Path, *extra: str) -> list[str]:
+    """Command-line arguments that run the reference EAGLE-3 recipe on `tiny_recipe`'s target and data."""
+    return [
+        "--config",
+        str(ROOT / "recipes" / "reference" / "eagle3.yaml"),
+        f"target.name_or_path={root / 'target'}",
+        "stdlib_corpus_dir=null",
+        f"data.path={root / 'train.jsonl'}",
+        "data.max_length=96",
+        f"data.cache_dir={root / 'hf-cache'}",
+        f"eval_data.path={root / 'heldout.jsonl'}",
+        "eval_data.max_length=96",
+        f"eval_data.cache_dir={root / 'hf-cache'}",
+        f"train.output_dir={out}",
+        "train.batch_size=2",
+        "train.grad_accum=1",
+        "train.lr=3e-3",
+        "train.log_every=2",
+        "train.eval_samples=4",
+        "train.max_train_samples=null",
+        "train.epochs=1",
+        "train.save_every=0",
+        "drafter.draft_vocab_size=128",
+        "drafter.ttt_steps=3",
+        "report.prompt_source=eval_data",
+        "report.prompts=2",
+        "report.prompt_tokens=24",
+        "report.max_new_tokens=10",
+        "report.chain_k=3",
+        "report.tree_top_k=2",
+        "report.tree_depth=3",
+        "report.tree_total_tokens=6",
+        "report.draft_model=null",
+        "self_distill.samples=6",
+        "self_distill.prompt_tokens=16",
+        "self_distill.new_tokens=12",
+        "self_distill.batch_size=4",
+        *extra,
+    ]

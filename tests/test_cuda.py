@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+import train.eagle3 as recipe
 from infer.eagle3_proposer import Eagle3Proposer
 from infer.generate import generate_speculative, generate_vanilla
 from infer.proposers import DraftModelProposer, PromptLookupProposer
@@ -19,8 +20,7 @@ from infer.sampling import SamplingParams
 from infer.tree_search import DynamicTreeConfig
 from models.eagle3 import Eagle3Drafter
 from models.target import TargetModel
-from tests.conftest import tiny_llama
-from tests.test_eagle3_train import recipe, recipe_args
+from tests.conftest import recipe_args, tiny_llama
 from train.draft_vocab import build_draft_vocab
 
 pytestmark = [

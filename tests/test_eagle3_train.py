@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 import train.eagle3 as recipe
 from models.config import parse_cli
+from tests.conftest import recipe_args
 from train.losses import eagle3_ttt_loss, shift_left, simulated_tau
 from train.optim import warmup_cosine
 
@@ -157,46 +158,6 @@ def test_self_distilled_rows_are_the_targets_greedy_continuations(tmp_path, tiny
 
 
 # ------------------------------------------------------------------------------------ whole recipe runs
-def recipe_args(root: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--config",
-        str(ROOT / "recipes" / "reference" / "eagle3.yaml"),
-        f"target.name_or_path={root / 'target'}",
-        "stdlib_corpus_dir=null",
-        f"data.path={root / 'train.jsonl'}",
-        "data.max_length=96",
-        f"data.cache_dir={root / 'hf-cache'}",
-        f"eval_data.path={root / 'heldout.jsonl'}",
-        "eval_data.max_length=96",
-        f"eval_data.cache_dir={root / 'hf-cache'}",
-        f"train.output_dir={out}",
-        "train.batch_size=2",
-        "train.grad_accum=1",
-        "train.lr=3e-3",
-        "train.log_every=2",
-        "train.eval_samples=4",
-        "train.max_train_samples=null",
-        "train.epochs=1",
-        "train.save_every=0",
-        "drafter.draft_vocab_size=128",
-        "drafter.ttt_steps=3",
-        "report.prompt_source=eval_data",
-        "report.prompts=2",
-        "report.prompt_tokens=24",
-        "report.max_new_tokens=10",
-        "report.chain_k=3",
-        "report.tree_top_k=2",
-        "report.tree_depth=3",
-        "report.tree_total_tokens=6",
-        "report.draft_model=null",
-        "self_distill.samples=6",
-        "self_distill.prompt_tokens=16",
-        "self_distill.new_tokens=12",
-        "self_distill.batch_size=4",
-        *extra,
-    ]
-
-
 def read_log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
 

@@ -74,13 +74,13 @@ def _overfit(target, drafter, ids: list[int], ttt_steps: int, max_steps: int = 1
         logits = drafter(out.aux_hidden, x, torch.arange(T)[None], allowed, ttt_steps)
         # sharpened labels: overfitting only needs the target's argmax, and near-one-hot labels get there fastest
         res = eagle3_ttt_loss(logits, out.logits * 20, torch.ones_like(x), drafter.t2d)
-        if all(c == n for c, n in zip(res.step_correct, res.step_count)):
+        if bool((res.step_correct == res.step_count).all()):
             break
         opt.zero_grad()
         res.loss.backward()
         opt.step()
     drafter.eval()
-    return [c / n for c, n in zip(res.step_correct, res.step_count)]
+    return (res.step_correct / res.step_count).tolist()
 
 
 def test_overfit_drafter_is_accepted_at_every_depth(tiny_target):

@@ -73,10 +73,10 @@ def test_ttt_loss_masks_shift_vocab_and_samples():
     loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
     res = eagle3_ttt_loss(draft, target_logits, loss_mask, t2d)
     # step i at t: label = target position t+1+i (its argmax must be draftable: id 2 is not), token t+2+i < T
-    assert res.step_count == [3, 3]  # step 0: t = 1, 2, 3 (t = 0 labels id 2); step 1: t = 0, 1, 2
+    assert res.step_count.tolist() == [3, 3]  # step 0: t = 1, 2, 3 (t = 0 labels id 2); step 1: t = 0, 1, 2
     sample_ids = torch.tensor([[0, 0, 0, 1, 1, 1]])
     res2 = eagle3_ttt_loss(draft, target_logits, loss_mask, t2d, sample_ids)
-    assert res2.step_count == [1, 0]  # t and t+2+i in one sample: only step 0 at t = 3
+    assert res2.step_count.tolist() == [1, 0]  # t and t+2+i in one sample: only step 0 at t = 3
     res.loss.backward()
     assert draft[0].grad is not None and draft[1].grad.abs().sum() > 0
     assert shift_left(torch.tensor([[1, 2, 3]]), 2).tolist() == [[3, 0, 0]]
@@ -87,7 +87,7 @@ def test_ttt_loss_weights_steps_by_point_eight():
     t2d = torch.ones(4, dtype=torch.bool)
     draft = [torch.randn(1, 8, 4) for _ in range(3)]
     res = eagle3_ttt_loss(draft, target_logits, torch.ones(1, 8), t2d, step_weight=0.8)
-    expected = sum(0.8**i * loss for i, loss in enumerate(res.step_loss))
+    expected = sum(0.8**i * loss for i, loss in enumerate(res.step_loss.tolist()))
     assert float(res.loss) == pytest.approx(expected, rel=1e-5)
 
 

@@ -16,6 +16,7 @@ world × batch_size; rank r takes its slice of each, so resuming at micro-batch 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -163,12 +164,17 @@ class ReportOnlyConfig:
 
 
 # --------------------------------------------------------------------------------------------- helpers
+@functools.lru_cache(maxsize=2)
+def _epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    # one permutation per epoch, not per micro-batch: O(N) each, and the 8B recipes' N is ~1e6 (read-only result)
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+
+
 def epoch_batch(num_samples: int, micro: int, per_epoch: int, seed: int, rank: int, world: int, bs: int) -> list[int]:
     """Sample indices of this rank's micro-batch number ``micro`` (global batches of world·bs, seeded per epoch)."""
     epoch, g = divmod(micro, per_epoch)
-    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     start = g * world * bs + rank * bs
-    return order[start : start + bs].tolist()
+    return _epoch_order(num_samples, seed, epoch)[start : start + bs].tolist()
 
 
 def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
@@ -218,8 +224,8 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
         with accelerator.autocast():
             logits = model(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, cfg.drafter.ttt_steps)
         res = eagle3_ttt_loss(logits, target_logits, batch["loss_mask"], model.t2d, sample_ids)
-        correct += torch.tensor(res.step_correct, device=correct.device, dtype=correct.dtype)
-        count += torch.tensor(res.step_count, device=count.device, dtype=count.dtype)
+        correct += res.step_correct
+        count += res.step_count
     correct, count = accelerator.reduce(correct, "sum"), accelerator.reduce(count, "sum")
     model.train()
     alphas = (correct / count.clamp(min=1)).tolist()
@@ -389,7 +395,7 @@ def main(argv: list[str]) -> None:
                 logits, target_logits, batch["loss_mask"], model.t2d, sample_ids, cfg.drafter.step_weight
             )
             accelerator.backward(res.loss / tc.grad_accum)
-        stats += torch.tensor([res.loss.item(), 1.0, *res.step_correct, *res.step_count], device=stats.device)
+        stats += torch.cat([res.loss.detach().reshape(1), stats.new_ones(1), res.step_correct, res.step_count])
         tokens += int(batch["attention_mask"].sum())
         micro += 1
         if not sync:

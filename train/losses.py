@@ -12,12 +12,15 @@ import torch.nn.functional as F
 class TTTLoss:
     loss: torch.Tensor
     """Scalar: Σ_i weight^i · (masked mean soft cross-entropy of step i)."""
-    step_loss: list[float]
-    """Per TTT step masked mean loss (detached)."""
-    step_correct: list[int]
-    """Per step: positions where the draft argmax equals the target argmax (inside the mask)."""
-    step_count: list[int]
-    """Per step: positions in the mask."""
+    step_loss: torch.Tensor
+    """[steps] per TTT step masked mean loss (detached)."""
+    step_correct: torch.Tensor
+    """[steps] int64: positions where the draft argmax equals the target argmax (inside the mask)."""
+    step_count: torch.Tensor
+    """[steps] int64: positions in the mask.
+
+    Tensors on the loss's device, not Python numbers: reading them would sync the device every TTT step of every
+    training step; the training loop sums them on the device and reads them once per log line."""
 
 
 def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
@@ -64,10 +67,10 @@ def eagle3_ttt_loss(
         loss_i = (per_token * mask).sum() / count.clamp(min=1)
         total = total + (step_weight**i) * loss_i
         correct = ((logits.argmax(-1) == shift_left(target_top_draft, 1 + i)) & mask).sum()
-        step_loss.append(float(loss_i.detach()))
-        step_correct.append(int(correct))
-        step_count.append(int(count))
-    return TTTLoss(total, step_loss, step_correct, step_count)
+        step_loss.append(loss_i.detach())
+        step_correct.append(correct)
+        step_count.append(count)
+    return TTTLoss(total, torch.stack(step_loss), torch.stack(step_correct), torch.stack(step_count))
 
 
 def simulated_tau(alphas: list[float]) -> float:

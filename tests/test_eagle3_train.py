@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,27 @@ def test_epoch_batches_partition_each_global_batch_across_ranks():
     assert recipe.epoch_batch(n, 0, per_epoch, 7, 0, world, bs) != recipe.epoch_batch(
         n, per_epoch, per_epoch, 7, 0, world, bs
     )
+
+
+def test_training_state_survives_an_interrupted_save(tmp_path):
+    from accelerate import Accelerator
+
+    from train.checkpoint import load_training_state, save_training_state
+
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(torch.nn.Linear(2, 2))
+    save_training_state(acc, tmp_path, {"step": 3})
+    # interrupted between the two renames of the next save: the previous state exists only as state.old
+    os.rename(tmp_path / "state", tmp_path / "state.old")
+    with torch.no_grad():
+        model.weight.zero_()
+    assert load_training_state(acc, tmp_path) == {"step": 3}
+    assert model.weight.abs().sum() > 0  # the weights came back from state.old
+    save_training_state(acc, tmp_path, {"step": 4})
+    # interrupted after its last rename, before removing state.old: the next save must still go through
+    shutil.copytree(tmp_path / "state", tmp_path / "state.old")
+    save_training_state(acc, tmp_path, {"step": 5})
+    assert load_training_state(acc, tmp_path) == {"step": 5} and not (tmp_path / "state.old").exists()
 
 
 def test_warmup_cosine_schedule():

@@ -25,6 +25,8 @@ def save_training_state(accelerator: Accelerator, output_dir: str | Path, counte
     if accelerator.is_main_process:
         (tmp / "step.json").write_text(json.dumps(counters))
         if final.exists():
+            if old.exists():  # a save interrupted after its last rename left both; final is the newer one
+                shutil.rmtree(old)
             os.rename(final, old)
         os.rename(tmp, final)
         if old.exists():
@@ -33,9 +35,12 @@ def save_training_state(accelerator: Accelerator, output_dir: str | Path, counte
 
 
 def load_training_state(accelerator: Accelerator, output_dir: str | Path) -> dict | None:
-    """Restore the latest state if there is one; returns its counters (or None for a fresh start)."""
-    state = Path(output_dir) / STATE_DIR
-    if not (state / "step.json").exists():
-        return None
-    accelerator.load_state(str(state))
-    return json.loads((state / "step.json").read_text())
+    """Restore the latest state if there is one; returns its counters (or None for a fresh start).
+
+    ``state.old`` counts too: a save interrupted between its two renames leaves the previous state only there."""
+    out = Path(output_dir)
+    for state in (out / STATE_DIR, out / f"{STATE_DIR}.old"):
+        if (state / "step.json").exists():
+            accelerator.load_state(str(state))
+            return json.loads((state / "step.json").read_text())
+    return None

@@ -152,7 +152,7 @@ class Eagle3Config:
         return cls(**values)
 
     def llama_config(self) -> LlamaConfig:
-        """The one-layer LlamaConfig these shapes correspond to (rope init here; engine exports build on it)."""
+        """The one-layer LlamaConfig these shapes correspond to (it initialises the rotary embedding)."""
         return LlamaConfig(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,

@@ -117,9 +117,9 @@ def speculators_config(drafter: Eagle3Drafter, speculative_tokens: int = DEFAULT
                 }
             ],
             "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": info.target_name if info else None,
-                "architectures": (info.target_architectures if info else None) or ["LlamaForCausalLM"],
+            "verifier": {  # target_info is set: _aux_before_layer_ids above refuses a drafter without one
+                "name_or_path": info.target_name,
+                "architectures": info.target_architectures or ["LlamaForCausalLM"],
             },
         },
     }

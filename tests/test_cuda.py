@@ -15,12 +15,14 @@ import torch
 import train.eagle3 as recipe
 from infer.eagle3_proposer import Eagle3Proposer
 from infer.generate import generate_speculative, generate_vanilla
-from infer.proposers import DraftModelProposer, PromptLookupProposer
+from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
 from infer.tree_search import DynamicTreeConfig
 from models.eagle3 import Eagle3Drafter
 from models.target import TargetModel
 from tests.conftest import recipe_args, tiny_llama
+from tests.test_eagle3_proposer import PROMPTS, SETTINGS
+from tests.test_generate import PROPOSERS
 from train.draft_vocab import build_draft_vocab
 
 pytestmark = [
@@ -28,12 +30,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-PROMPTS = [
-    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
-    [11, 3, 4],
-    [9],
-    [40, 41, 42, 43, 44, 45, 46, 40, 41, 42, 43, 44, 45, 46, 40, 41, 42],
-]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 TREE = DynamicTreeConfig(top_k=3, depth=4, total_tokens=10)
 
@@ -52,14 +48,9 @@ def cuda_models():
 
 
 def proposers(target, draft, drafter) -> dict:
-    return {
-        "lookup-chain": PromptLookupProposer(num_draft=5),
-        "lookup-tree": PromptLookupProposer(num_draft=4, num_candidates=3),
-        "draft-chain": DraftModelProposer(draft, k=3),
-        "draft-dynamic-tree": DraftModelProposer(draft, tree=TREE),
-        "self-draft-chain": DraftModelProposer(target.model, k=4),
-        "eagle3-chain": Eagle3Proposer(drafter, k=3),
-        "eagle3-dynamic-tree": Eagle3Proposer(drafter, tree=TREE),
+    """Every proposer shape of the CPU identity tests (tests/test_generate.py, tests/test_eagle3_proposer.py)."""
+    return {name: make(target, draft) for name, make in PROPOSERS.items()} | {
+        f"eagle3-{name}": Eagle3Proposer(drafter, **kw) for name, kw in SETTINGS.items()
     }
 
 

@@ -7,8 +7,8 @@ step cost bound what any drafter can reach.
 
 Usage::
 
-    python -m eval.cost_curve                                   # reference target, its draft model
-    python -m eval.cost_curve --drafter outputs/reference-eagle3  # also the EAGLE-3 drafter's step
+    python -m eval.cost_curve                                      # reference target (SmolLM2), outputs/cost_curve
+    python -m eval.cost_curve --drafter models/smollm2_eagle3 --draft DIR --target any/folder --out DIR
 
 Times are medians over ``--reps`` repetitions, with the sizes interleaved within each repetition so that machine
 noise hits every size alike. Writes ``cost_curve.json`` and ``cost_curve.md`` into ``--out``.
@@ -26,13 +26,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from eval.stdlib_corpus import heldout_prompts
 from infer.generate import DecodeState, prefill, verify_tree
 from infer.sampling import SamplingParams
 from infer.tree import chain
 from models.target import TargetConfig, TargetModel, load_tokenizer
-from train.stdlib_corpus import heldout_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
@@ -105,15 +104,15 @@ def eagle3_step_costs(target: TargetModel, drafter_dir: str, context_len: int, r
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ROOT / "models" / "reference_target"))
-    ap.add_argument("--draft", default=str(ROOT / "models" / "reference_draft"), help="small draft model ('' = none)")
-    ap.add_argument("--drafter", default=None, help="EAGLE-3 checkpoint whose step to time")
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="short name, folder or hub id")
+    ap.add_argument("--draft", default=None, help="small draft model sharing the target's tokenizer (optional)")
+    ap.add_argument("--drafter", default=None, help="EAGLE-3 checkpoint whose step to time (optional)")
     ap.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--out", default=str(ROOT / "docs"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default="outputs/cost_curve", help="folder for cost_curve.json / cost_curve.md")
+    args = ap.parse_args(argv)
 
     tokenizer = load_tokenizer(args.target)
     aux = None
@@ -122,6 +121,19 @@ def main() -> None:
 
         aux = read_checkpoint_config(args.drafter)[1].aux_layer_ids
     target = TargetModel.from_config(TargetConfig(name_or_path=args.target, dtype="float32", aux_layer_ids=aux))
+    # every model is loaded and checked against the target before any timing (a mismatch fails in seconds)
+    draft = None
+    if args.draft:
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+        if draft.get_output_embeddings().weight.shape[0] != target.vocab_size:
+            raise SystemExit(
+                f"--draft {args.draft} has a vocabulary of {draft.get_output_embeddings().weight.shape[0]} tokens, "
+                f"the target {target.vocab_size}: a draft model must share the target's tokenizer"
+            )
+    if args.drafter:
+        from models.eagle3 import Eagle3Drafter
+
+        Eagle3Drafter.from_pretrained(args.drafter, target, tokenizer)  # raises on a drafter of another target
     ids = [t for p in heldout_prompts(tokenizer, n=8) for t in p["prompt_ids"]]
     if len(ids) < args.context + 1:
         raise SystemExit(f"held-out prompts give {len(ids)} tokens, fewer than --context {args.context}")
@@ -137,8 +149,7 @@ def main() -> None:
         "verify_s": verify_costs(target, context, SIZES, args.reps, aux=False),
         "verify_with_features_s": verify_costs(target, context, SIZES, args.reps, aux=True),
     }
-    if args.draft:
-        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+    if draft is not None:
         result["draft_model_step_s"] = vanilla_step_cost(draft, context, args.reps)
     if args.drafter:
         result["eagle3_step_s"] = eagle3_step_costs(target, args.drafter, args.context, args.reps)
@@ -147,7 +158,7 @@ def main() -> None:
     lines = [
         f"# Verify-cost curve ({time.strftime('%Y-%m-%d')})",
         "",
-        f"Target `{Path(args.target).name}`, fp32, {result['machine']}, torch threads {result['threads']}, "
+        f"Target `{args.target}`, fp32, {result['machine']}, torch threads {result['threads']}, "
         f"{args.context} tokens in the cache, medians of {args.reps} interleaved repetitions "
         "(`python -m eval.cost_curve`).",
         "",

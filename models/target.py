@@ -29,6 +29,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
+from models.reference import resolve_target
+
 # Written into drafter checkpoints beside the ids so a reader never has to guess the ±1 convention.
 AUX_LAYER_CONVENTION = "output_of_layer_0based"
 
@@ -110,7 +112,8 @@ class TargetConfig:
     """How to load and treat the target model."""
 
     name_or_path: str
-    """Local directory or hub id of an HF causal LM (anything `AutoModelForCausalLM` loads)."""
+    """Local directory, hub id, or the short name of a reference target (`models.reference`, e.g.
+    "smollm2-135m-instruct", built into a cache folder on first use)."""
 
     dtype: str = "auto"
     """Weight dtype: "float32", "bfloat16", "float16", or "auto" (the dtype recorded in the checkpoint)."""
@@ -291,7 +294,7 @@ class TargetModel(nn.Module):
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("TargetConfig.device='cuda' but CUDA is not available on this machine")
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path,
+            resolve_target(cfg.name_or_path),
             dtype=DTYPES[cfg.dtype],
             trust_remote_code=cfg.trust_remote_code,
             attn_implementation=cfg.attn_implementation,
@@ -430,8 +433,8 @@ class TargetModel(nn.Module):
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The target's tokenizer via `AutoTokenizer` (local directory or hub id)."""
-    return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    """The target's tokenizer via `AutoTokenizer` (local directory, hub id, or a reference target's short name)."""
+    return AutoTokenizer.from_pretrained(resolve_target(name_or_path), trust_remote_code=trust_remote_code)
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -1,9 +1,10 @@
 """The ``drafters`` command.
 
-drafters quickstart [--max-new-tokens N] [--prompts N]   # reference target: sample + τ + speedup
-drafters bench [args of eval.bench_runtime]               # full runtime benchmark
-drafters build-target [args of scripts/build_reference_target.py]
-drafters regenerate [args of scripts/regenerate.py]       # self-distillation of a chat dataset
+drafters get-target [NAME] [--out DIR] [--force]        # build a reference target's HF folder (default smollm2-135m-instruct)
+drafters quickstart [--skip-training] [--prompts N]     # target, one chat answer, a short EAGLE-3 run, τ + speedup
+drafters bench [args of eval.bench_runtime]              # runtime benchmark of the drafter-free proposers
+drafters build-data [args of train.chat_data]            # self-synthesised, self-distilled chat data (resumable)
+drafters regenerate [args of scripts/regenerate.py]      # self-distillation of an existing chat dataset
 """
 
 from __future__ import annotations
@@ -12,71 +13,121 @@ import argparse
 import runpy
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+QUICK_RECIPE = ROOT / "recipes" / "smollm2-135m" / "eagle3.yaml"
+SHIPPED_DRAFTER = ROOT / "models" / "smollm2_eagle3"
+SHIPPED_DATA = ROOT / "train" / "shipped_data" / "smollm2-135m-instruct"
+
+
+def other_checkout(cwd: Path) -> Path | None:
+    """The drafters checkout ``cwd`` lies in, when it is not the one this command runs from (else None).
+
+    An editable install runs the code of the folder it was installed from; in another clone that is surprising.
+    """
+    for folder in [cwd, *cwd.parents]:
+        pyproject = folder / "pyproject.toml"
+        if pyproject.exists():
+            try:
+                name = tomllib.loads(pyproject.read_text()).get("project", {}).get("name")
+            except tomllib.TOMLDecodeError:
+                return None
+            if name == "drafters" and folder.resolve() != ROOT:
+                return folder
+            return None
+    return None
+
+
+def get_target(argv: list[str]) -> None:
+    from models.reference import REFERENCE_TARGETS, build_target
+
+    ap = argparse.ArgumentParser(prog="drafters get-target")
+    ap.add_argument("name", nargs="?", default="smollm2-135m-instruct", choices=sorted(REFERENCE_TARGETS))
+    ap.add_argument("--out", type=Path, help="folder to write (default: the cache, see models/reference.py)")
+    ap.add_argument("--force", action="store_true", help="rebuild even when the folder is complete")
+    args = ap.parse_args(argv)
+    print(build_target(args.name, args.out, force=args.force))
 
 
 def quickstart(argv: list[str]) -> None:
-    """Load the shipped reference target and draft model, continue held-out code, report τ and speedup."""
+    """The main job, small: get the target, answer one prompt, train a short EAGLE-3 run, measure it beside the
+    shipped drafter, prompt lookup and HF generate on held-out chat prompts."""
     ap = argparse.ArgumentParser(prog="drafters quickstart")
-    ap.add_argument("--target", default=str(ROOT / "models" / "reference_target"))
-    ap.add_argument("--draft", default=str(ROOT / "models" / "reference_draft"))
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--skip-training", action="store_true", help="no short training run (a one-minute look)")
+    ap.add_argument("--prompts", type=int, default=4, help="held-out chat prompts to measure")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--train-samples", type=int, default=160, help="conversations of the short training run")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "quickstart")
     args = ap.parse_args(argv)
 
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from infer.generate import generate_speculative, generate_vanilla
-    from infer.proposers import DraftModelProposer, PromptLookupProposer
+    from eval.measure import Candidate, MeasuredPrompt, measure, stop_ids, write_report
+    from eval.prompts import builtin_prompts, chat_ids
+    from infer.eagle3_proposer import Eagle3Proposer
+    from infer.generate import generate_vanilla
     from infer.sampling import SamplingParams
-    from models.target import TargetModel, load_tokenizer
-    from train.stdlib_corpus import heldout_prompts
-
+    from models.eagle3 import Eagle3Drafter
+    from models.target import TargetConfig, TargetModel, load_tokenizer
     t0 = time.time()
-    tokenizer = load_tokenizer(args.target)
-    target = TargetModel(AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32))
-    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
-    n_target = sum(p.numel() for p in target.model.parameters()) / 1e6
-    n_draft = sum(p.numel() for p in draft.parameters()) / 1e6
+    name = "smollm2-135m-instruct"
+    tokenizer = load_tokenizer(name)
+    target = TargetModel.from_config(TargetConfig(name_or_path=name, dtype="float32", device="cpu"))
+    eos = stop_ids(tokenizer, target.model)
+    n_params = sum(p.numel() for p in target.model.parameters()) / 1e6
+    print(f"target {name}: {n_params:.1f} M parameters, loaded in {time.time() - t0:.0f} s")
+    prompts = builtin_prompts("chat", args.prompts)
+    first = chat_ids(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
+    out = generate_vanilla(target, [first], SamplingParams(max_new_tokens=args.max_new_tokens), eos)
     print(
-        f"reference target {n_target:.1f} M params, draft model {n_draft:.1f} M params "
-        f"(loaded in {time.time() - t0:.1f}s)"
-    )
-    samples = heldout_prompts(tokenizer, n=args.prompts)
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
-    eos = (tokenizer.eos_token_id,)
-
-    first = samples[0]
-    out = generate_vanilla(target, [first["prompt_ids"]], params, eos)
-    print(
-        f"\n--- held-out prompt ({first['source']}) ---\n{first['prompt']}"
-        f"\n--- greedy continuation ---\n{tokenizer.decode(out.tokens[0])}\n"
+        f"\n--- held-out request ---\n{prompts[0].turns[0]}\n--- greedy answer ---\n{tokenizer.decode(out.tokens[0])}\n"
     )
 
-    methods = {
-        "vanilla": None,
-        "prompt lookup": lambda: PromptLookupProposer(num_draft=10),
-        "draft model (chain 4)": lambda: DraftModelProposer(draft, k=4),
-    }
-    totals = {m: [0, 0.0, 0, True] for m in methods}  # tokens, seconds, forwards, identical
-    for s in samples:
-        ref = generate_vanilla(target, [s["prompt_ids"]], params, eos)
-        for name, make in methods.items():
-            res = ref if make is None else generate_speculative(target, make(), [s["prompt_ids"]], params, eos)
-            t = totals[name]
-            t[0] += len(res.tokens[0])
-            t[1] += res.stats.total_s
-            t[2] += res.stats.row_forwards
-            t[3] &= res.tokens[0] == ref.tokens[0]
-    base = totals["vanilla"][0] / totals["vanilla"][1]
-    print(f"{'method':<24}{'tau':>6}{'tokens/s':>10}{'speedup':>9}  greedy identical")
-    for name, (tok, sec, fwd, same) in totals.items():
-        print(f"{name:<24}{tok / fwd:>6.2f}{tok / sec:>10.1f}{tok / sec / base:>8.2f}x  {same}")
+    candidates = []
+    if SHIPPED_DRAFTER.exists():
+        shipped = Eagle3Drafter.from_pretrained(SHIPPED_DRAFTER, target, tokenizer).eval()
+        candidates.append(Candidate("eagle3 (shipped)", "chain 3", lambda: Eagle3Proposer(shipped, k=3)))
+    if not args.skip_training:
+        from train.eagle3 import main as train_eagle3
+
+        run = args.out / "eagle3-short"
+        print(f"short EAGLE-3 run on {args.train_samples} shipped conversations (online features) → {run}")
+        train_eagle3(
+            [
+                "--config",
+                str(QUICK_RECIPE),
+                f"train.output_dir={run}",
+                f"data.path={SHIPPED_DATA / 'train.jsonl.gz'}",
+                f"eval_data.path={SHIPPED_DATA / 'heldout.jsonl.gz'}",
+                "train.features=online",
+                f"train.max_train_samples={args.train_samples}",
+                "train.epochs=1",
+                "train.batch_size=4",
+                "train.eval_every=0",
+                "train.eval_samples=16",
+                "train.save_every=0",
+                "train.export=false",
+                "report.enabled=false",
+            ]
+        )
+        short = Eagle3Drafter.from_pretrained(run, target, tokenizer).eval()
+        candidates.append(Candidate("eagle3 (short run)", "chain 3", lambda: Eagle3Proposer(short, k=3)))
+    measured = [MeasuredPrompt(chat_ids(tokenizer, [{"role": "user", "content": p.turns[0]}]), "chat") for p in prompts]
+    rows = measure(target, candidates, measured, eos, max_new_tokens=args.max_new_tokens)
+    write_report(args.out, "quickstart", name, rows, prompt_set=f"built-in chat ({len(measured)})")
+    print(f"\n{'method':<34}{'tau':>6}{'tokens/s':>10}{'speedup':>9}  greedy identical")
+    base = rows[0]["vanilla_tokens_per_s"]
+    print(f"{'vanilla (faster of ours / HF)':<34}{1.0:>6.2f}{base:>10.1f}{1.0:>8.2f}x  –")
+    for r in rows:
+        label = f"{r['proposer']} ({r['setting']})"
+        print(
+            f"{label:<34}{r['tau']:>6.2f}{r['tokens_per_s']:>10.1f}{r['speedup']:>8.2f}x  {r['greedy_identical']:.2f}"
+        )
     print(
-        f"\n{len(samples)} held-out prompts, T=0, max_new_tokens {args.max_new_tokens}; full benchmark: drafters bench"
+        f"\n{len(measured)} held-out chat prompts, T=0, answers stop at EOS (cap {args.max_new_tokens}); "
+        f"report in {args.out}; {(time.time() - t0) / 60:.1f} min in all; torch threads {torch.get_num_threads()}"
     )
 
 
@@ -85,23 +136,31 @@ def _run_script(path: Path, argv: list[str]) -> None:
     runpy.run_path(str(path), run_name="__main__")
 
 
+def _run_module(name: str, argv: list[str]) -> None:
+    sys.argv = [name, *argv]
+    runpy.run_module(name, run_name="__main__")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
+        "get-target": get_target,
         "quickstart": quickstart,
         "bench": lambda a: _run_module("eval.bench_runtime", a),
-        "build-target": lambda a: _run_script(ROOT / "scripts" / "build_reference_target.py", a),
+        "build-data": lambda a: _run_module("train.chat_data", a),
         "regenerate": lambda a: _run_script(ROOT / "scripts" / "regenerate.py", a),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    elsewhere = other_checkout(Path.cwd())
+    if elsewhere is not None:
+        print(
+            f"warning: you are in the drafters checkout {elsewhere}, but this `drafters` runs the code of {ROOT} "
+            f"(where it was installed from). Run `pip install -e .` here, or `python -m scripts.cli ...`.",
+            file=sys.stderr,
+        )
     commands[argv[0]](argv[1:])
-
-
-def _run_module(name: str, argv: list[str]) -> None:
-    sys.argv = [name, *argv]
-    runpy.run_module(name, run_name="__main__")
 
 
 if __name__ == "__main__":

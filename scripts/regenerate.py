@@ -1,12 +1,13 @@
 """Self-distillation: regenerate every assistant turn of a chat dataset with the target.
 
-    python scripts/regenerate.py --target assets/reference-target \
-        --data data/stdlib_train_chat.jsonl --out data/stdlib_train_regen.jsonl --temperature 0.8
+    python scripts/regenerate.py --target smollm2-135m-instruct \
+        --data data/sharegpt.jsonl --out data/sharegpt_regen.jsonl --temperature 0.8
 
 A drafter is trained to predict the *target's* tokens, so answers written by another model (ShareGPT,
 UltraChat) are replaced by the target's own (EAGLE/Medusa practice, temperature ~0.8). Turns are
-regenerated in order, each from the regenerated earlier turns; the output is a ``messages`` jsonl
-written atomically. The logic lives in ``train.data.regenerate_dataset``; this file is the CLI.
+regenerated in order, each from the regenerated earlier turns; rows of prompts alone (``turns`` / ``prompt``
+columns, or user turns without answers) are answered. Finished batches go to ``<out>.partial`` as they complete and a
+rerun resumes there; the ``messages`` jsonl is written atomically at the end, and a run that writes nothing exits 1. The logic lives in ``train.data.regenerate_dataset``; this file is the CLI.
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(device)
+    from models.reference import resolve_target
+
+    path = resolve_target(args.target)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device)
     cfg = DataConfig(path=args.data, split=args.split, format=args.format, max_length=args.max_length)
     counts = regenerate_dataset(
         model,
@@ -55,6 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
         seed=args.seed,
     )
     print(json.dumps(counts, indent=2))
+    if counts["rows_written"] == 0:
+        raise SystemExit(f"no rows regenerated from {args.data}: every row was skipped ({counts['skipped']})")
     print(f"wrote {counts['rows_written']} rows to {args.out}")
     return counts
 

@@ -11,8 +11,7 @@ sys.path.insert(0, str(ROOT))
 # 2-core machines: one intra-op thread per test process keeps timings stable and avoids oversubscription
 torch.set_num_threads(int(os.environ.get("DRAFTERS_TEST_THREADS", "2")))
 
-REFERENCE_TARGET = ROOT / "models" / "reference_target"
-REFERENCE_DRAFT = ROOT / "models" / "reference_draft"
+REFERENCE_NAME = "smollm2-135m-instruct"
 
 
 def tiny_llama(vocab: int = 97, layers: int = 2, hidden: int = 32, seed: int = 0, **kw):
@@ -57,7 +56,7 @@ def tiny_recipe(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from train.stdlib_corpus import stdlib_root
+    from eval.stdlib_corpus import stdlib_root
 
     root = tmp_path_factory.mktemp("eagle3_recipe")
     files = sorted(stdlib_root().glob("*.py"))[:24]
@@ -97,16 +96,21 @@ def recipe_args(root: Path, out: Path, *extra: str) -> list[str]:
     """Command-line arguments that run the reference EAGLE-3 recipe on `tiny_recipe`'s target and data."""
     return [
         "--config",
-        str(ROOT / "recipes" / "reference" / "eagle3.yaml"),
+        str(ROOT / "recipes" / "smollm2-135m" / "eagle3.yaml"),
         f"target.name_or_path={root / 'target'}",
+        "target.device=cpu",
         "stdlib_corpus_dir=null",
         f"data.path={root / 'train.jsonl'}",
+        "data.format=text",
         "data.max_length=96",
         f"data.cache_dir={root / 'hf-cache'}",
         f"eval_data.path={root / 'heldout.jsonl'}",
+        "eval_data.format=text",
         "eval_data.max_length=96",
         f"eval_data.cache_dir={root / 'hf-cache'}",
         f"train.output_dir={out}",
+        "train.features=online",
+        "train.mixed_precision=fp32",  # tests compare numbers; the automatic choice has its own test
         "train.batch_size=2",
         "train.grad_accum=1",
         "train.lr=3e-3",
@@ -126,6 +130,9 @@ def recipe_args(root: Path, out: Path, *extra: str) -> list[str]:
         "report.tree_depth=3",
         "report.tree_total_tokens=6",
         "report.draft_model=null",
+        "report.drafter_dir=null",
+        "report.output_dir=null",
+        "report.temperatures=[0.0, 1.0]",
         "self_distill.samples=6",
         "self_distill.prompt_tokens=16",
         "self_distill.new_tokens=12",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.build_reference_target import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
+from eval.stdlib_corpus import SourceFile  # noqa: E402
 from train.data import (  # noqa: E402
     SKIP_REASONS,
     DataConfig,
@@ -24,8 +24,17 @@ from train.data import (  # noqa: E402
     packed_attention_mask,
     regenerate_dataset,
 )
-from train.stdlib_corpus import SourceFile  # noqa: E402
 
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# A template with {% generation %} markers (the span method "generation"); the newline after an assistant turn is an
+# expression because transformers renders with trim_blocks, which would eat a literal newline after the end tag.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>\n{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}"
+    "{{ '\\n' }}"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 EXTRA_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 QWEN_LIKE = (
     "{% for message in messages %}"
@@ -63,6 +72,11 @@ def _corpus() -> list[str]:
 
 @pytest.fixture(scope="session")
 def backend():
+    return backend_json()
+
+
+def backend_json() -> str:
+    """A 600-token byte-level BPE with the special tokens of every template below (serialised)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -78,7 +92,7 @@ def backend():
     return tok.to_str()
 
 
-def _make_tokenizer(backend: str, template: str):
+def make_tokenizer(backend: str, template: str):
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -95,11 +109,11 @@ def _make_tokenizer(backend: str, template: str):
 @pytest.fixture(scope="session")
 def tokenizers(backend):
     return {
-        "reference": _make_tokenizer(backend, CHAT_TEMPLATE),
-        "reference_no_markers": _make_tokenizer(backend, NO_MARKERS_REFERENCE),
-        "qwen": _make_tokenizer(backend, QWEN_LIKE),
-        "llama3": _make_tokenizer(backend, LLAMA3_LIKE),
-        "history_dropping": _make_tokenizer(backend, HISTORY_DROPPING),
+        "reference": make_tokenizer(backend, CHAT_TEMPLATE),
+        "reference_no_markers": make_tokenizer(backend, NO_MARKERS_REFERENCE),
+        "qwen": make_tokenizer(backend, QWEN_LIKE),
+        "llama3": make_tokenizer(backend, LLAMA3_LIKE),
+        "history_dropping": make_tokenizer(backend, HISTORY_DROPPING),
     }
 
 
@@ -425,15 +439,16 @@ def test_regenerate_dataset(tokenizers, tiny_target, tmp_path):
     counts = regenerate_dataset(
         tiny_target, tok, cfg, tmp_path / "out.jsonl", max_new_tokens=6, batch_size=3, show_progress=False
     )
-    assert counts["rows_read"] == 4 and counts["skipped"]["no_assistant_turn"] == 1
-    assert counts["rows_written"] + sum(counts["skipped"].values()) == 4
+    # the prompt-only row is answered, not skipped
+    assert counts["rows_read"] == 4 and sum(counts["skipped"].values()) == 0
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert not (tmp_path / "out.jsonl.tmp").exists()
-    assert len(out) == counts["rows_written"] == 3
-    assert counts["turns_regenerated"] == 4
+    assert not (tmp_path / "out.jsonl.tmp").exists() and not (tmp_path / "out.jsonl.partial").exists()
+    assert len(out) == counts["rows_written"] == 4
+    assert counts["turns_regenerated"] == 5
+    assert [m["role"] for m in out[3]["messages"]] == ["user", "assistant"]
     for row, source in zip(out, REGEN_ROWS):
         new, old = row["messages"], source["messages"]
-        assert [m["role"] for m in new] == [m["role"] for m in old]
+        assert [m["role"] for m in new][: len(old)] == [m["role"] for m in old]
         assert [m["content"] for m in new if m["role"] != "assistant"] == [
             m["content"] for m in old if m["role"] != "assistant"
         ]
@@ -456,8 +471,39 @@ def test_regenerate_dataset(tokenizers, tiny_target, tmp_path):
     )
     assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "out.jsonl").read_text()
     ds, summary = build_dataset(DataConfig(path=str(tmp_path / "out.jsonl")), tok)
-    assert summary["kept"] == 3
+    assert summary["kept"] == 4
     assert_masks_exact(tok, ds, [r["messages"] for r in out], "<|end|>")
+
+
+def test_regenerate_resumes_after_a_crash_and_answers_prompt_rows(tokenizers, tiny_target, tmp_path):
+    """A run killed after its first batch resumes from <out>.partial (that batch is not generated again) and
+    gives the same file as an uninterrupted run; Spec-Bench `turns` rows are answered turn by turn."""
+    tok = tokenizers["reference"]
+    rows = [{"question_id": i, "category": "x", "turns": [f"question {i}", "and a follow-up"]} for i in range(5)]
+    cfg = DataConfig(path=write_jsonl(tmp_path / "q.jsonl", rows), max_length=256)
+    kw = dict(max_new_tokens=5, batch_size=2, show_progress=False)
+    full = regenerate_dataset(tiny_target, tok, cfg, tmp_path / "full.jsonl", **kw)
+    assert full["rows_written"] == 5 and full["turns_regenerated"] == 10
+
+    calls = []
+    real_generate = tiny_target.generate
+
+    def crash_in_second_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # batch 1 took two calls (two turns); die in batch 2
+            raise KeyboardInterrupt
+        return real_generate(*args, **kwargs)
+
+    tiny_target.generate = crash_in_second_batch
+    with pytest.raises(KeyboardInterrupt):
+        regenerate_dataset(tiny_target, tok, cfg, tmp_path / "out.jsonl", **kw)
+    tiny_target.generate = real_generate
+    partial = tmp_path / "out.jsonl.partial"
+    assert len(partial.read_text().splitlines()) == 2 and not (tmp_path / "out.jsonl").exists()
+    resumed = regenerate_dataset(tiny_target, tok, cfg, tmp_path / "out.jsonl", **kw)
+    assert resumed["turns_regenerated"] == 6  # batches 2 and 3 only
+    assert (tmp_path / "out.jsonl").read_text() == (tmp_path / "full.jsonl").read_text()
+    assert not partial.exists()
 
 
 def test_regenerate_cli_sampling(tokenizers, tiny_target, tmp_path):
@@ -487,3 +533,9 @@ def test_regenerate_cli_sampling(tokenizers, tiny_target, tmp_path):
     assert counts["rows_read"] == 3
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert len(rows) == counts["rows_written"] and all("messages" in r for r in rows)
+
+    # nothing to regenerate: a clear error and a non-zero exit, not an empty file and exit 0
+    empty = write_jsonl(tmp_path / "e.jsonl", [{"messages": [{"role": "system", "content": "only a system turn"}]}])
+    with pytest.raises(SystemExit) as stop:
+        main(["--target", str(tmp_path / "target"), "--data", empty, "--out", str(tmp_path / "e_out.jsonl")])
+    assert "no rows" in str(stop.value)

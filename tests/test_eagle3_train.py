@@ -37,8 +37,8 @@ def test_every_shipped_recipe_parses_and_names_its_launch_command(path):
     assert first.startswith("#") and "train/eagle3.py" in first
 
 
-def test_recipes_exist_for_reference_and_8b_targets():
-    assert {p.parent.name for p in RECIPES} >= {"reference", "llama3.1-8b", "qwen3-8b"}
+def test_recipes_exist_for_smollm2_and_8b_targets():
+    assert {p.parent.name for p in RECIPES} >= {"smollm2-135m", "llama3.1-8b", "qwen3-8b"}
 
 
 def test_epoch_batches_partition_each_global_batch_across_ranks():

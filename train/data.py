@@ -54,6 +54,7 @@ import bisect
 import json
 import os
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +79,7 @@ SKIP_REASONS = (
 )
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 CHAT_ROLES = ("system", "user", "assistant")
-_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json", ".parquet": "parquet"}
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 PACK_BATCH_SIZE = 1000
 
@@ -86,7 +87,7 @@ PACK_BATCH_SIZE = 1000
 @dataclass
 class DataConfig:
     path: str
-    """Local .json/.jsonl/.parquet file, a directory of such files (one kind), or a hub dataset name."""
+    """Local .json/.jsonl(.gz)/.parquet file, a directory of such files (one kind), or a hub dataset name."""
     split: str = "train"
     """Split to read (for local files it only names the split the files are loaded into)."""
     format: str = "auto"
@@ -124,13 +125,18 @@ def load_raw(cfg: DataConfig) -> datasets.Dataset:
     path = Path(cfg.path)
     if not path.exists():
         return datasets.load_dataset(cfg.path, split=cfg.split, cache_dir=cfg.cache_dir)
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in _LOCAL_BUILDERS)
-    builders = {_LOCAL_BUILDERS.get(p.suffix) for p in files}
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if _builder(p))
+    builders = {_builder(p) for p in files}
     if len(builders) != 1 or None in builders:
-        raise ValueError(f"{cfg.path}: expected .json/.jsonl or .parquet files of one kind, found {files[:5]}")
+        raise ValueError(f"{cfg.path}: expected .json/.jsonl(.gz) or .parquet files of one kind, found {files[:5]}")
     return datasets.load_dataset(
         builders.pop(), data_files={cfg.split: [str(p) for p in files]}, split=cfg.split, cache_dir=cfg.cache_dir
     )
+
+
+def _builder(path: Path) -> str | None:
+    """The ``datasets`` builder of a local file by its suffix (``.jsonl.gz``: json, decompressed by datasets)."""
+    return _LOCAL_BUILDERS.get("".join(path.suffixes[-2:])) or _LOCAL_BUILDERS.get(path.suffix)
 
 
 def detect_format(columns: list[str], requested: str = "auto") -> str:
@@ -142,13 +148,18 @@ def detect_format(columns: list[str], requested: str = "auto") -> str:
     for column, fmt in (("messages", "messages"), ("conversations", "sharegpt"), ("text", "text")):
         if column in columns:
             return fmt
-    raise ValueError(f"cannot detect the format: no messages/conversations/text column in {columns}")
+    hint = ""
+    if "prompt" in columns or "turns" in columns:
+        hint = " (prompt-only rows are evaluation prompts: give them to the report as report.prompts_path)"
+    raise ValueError(f"cannot detect the format: no messages/conversations/text column in {columns}{hint}")
 
 
-def normalize_conversation(row: dict, fmt: str) -> tuple[list[dict] | None, str]:
+def normalize_conversation(row: dict, fmt: str, prompt_only: bool = False) -> tuple[list[dict] | None, str]:
     """``(messages, "")`` with roles in system/user/assistant, or ``(None, skip_reason)``.
 
     Trailing non-assistant turns are dropped: they come after the last loss token and carry no signal.
+    ``prompt_only`` (regeneration): a row whose last turn is a user turn gets an empty assistant turn after it to be
+    answered, so rows of prompts alone (no assistant turn) are regenerated instead of skipped.
     """
     key, role_key, content_key = (
         ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
@@ -173,6 +184,8 @@ def normalize_conversation(row: dict, fmt: str) -> tuple[list[dict] | None, str]
         if role == "assistant" and not turn[content_key].strip():
             return None, "empty_assistant_turn"
         messages.append({"role": role, "content": turn[content_key]})
+    if prompt_only and messages and messages[-1]["role"] == "user":
+        messages.append({"role": "assistant", "content": ""})
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     if last < 0:
         return None, "no_assistant_turn"
@@ -485,10 +498,10 @@ def build_stdlib_samples(
     Cuts are made at line starts in the text, not at token boundaries: byte-level BPE glues a newline
     to the next line's indentation, so token boundaries rarely fall at line starts. Token counts come
     from the whole file's tokenisation (tokens starting between two cuts), hence "about".
-    ``files`` (``train.stdlib_corpus.SourceFile``s) replaces the stdlib walk; otherwise the split comes
-    from ``train.stdlib_corpus`` (path hash). Returns the paths and counts.
+    ``files`` (``eval.stdlib_corpus.SourceFile``s) replaces the stdlib walk; otherwise the split comes
+    from ``eval.stdlib_corpus`` (path hash). Returns the paths and counts.
     """
-    from train.stdlib_corpus import split_files, stdlib_files
+    from eval.stdlib_corpus import split_files, stdlib_files
 
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
@@ -567,15 +580,21 @@ def regenerate_dataset(
     exceeds ``cfg.max_length``, ends the conversation before it (the row is kept when it still has a
     regenerated assistant turn, else skipped). Turns that hit ``max_new_tokens`` are kept (counted):
     the template will close them with an end-of-turn token the target did not emit.
+
+    Rows of prompts alone (user turns without answers, Spec-Bench ``turns`` or a ``prompt`` column) are answered.
+    Finished batches are appended to ``<out_path>.partial`` as they complete; a rerun with the same arguments
+    resumes after the last complete batch, and the output file appears (atomically) only when all rows are done.
     """
     from tqdm.auto import tqdm
 
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     raw = load_raw(cfg)
+    if "messages" not in raw.column_names and "conversations" not in raw.column_names:
+        raw = _prompt_rows_as_messages(raw)
     fmt = detect_format(raw.column_names, cfg.format)
     if fmt == "text":
-        raise ValueError("regeneration needs chat data (messages or sharegpt), got raw text")
+        raise ValueError("regeneration needs chat data (messages, sharegpt, or prompt / turns rows), got raw text")
     if render(tokenizer, [{"role": "user", "content": "x"}], True) == render(
         tokenizer, [{"role": "user", "content": "x"}]
     ):
@@ -595,11 +614,22 @@ def regenerate_dataset(
     skipped = Counter({reason: 0 for reason in reasons})
     conversations = []
     for row in raw:
-        messages, reason = normalize_conversation(row, fmt)
+        messages, reason = normalize_conversation(row, fmt, prompt_only=True)
         if messages is None:
             skipped[reason] += 1
         else:
             conversations.append(messages)
+    # finished batches are appended to <out>.partial (flushed) and skipped on a rerun; the output appears at the end
+    out_path = Path(out_path)
+    partial = out_path.with_name(out_path.name + ".partial")
+    written = []
+    if partial.exists():
+        for line in partial.read_text(encoding="utf-8").splitlines():
+            try:
+                written.append(json.loads(line))
+            except json.JSONDecodeError:  # a torn last line from a crash mid-write
+                break
+    resume_at = (written[-1]["_batch"] + 1) * batch_size if written else 0
 
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
@@ -613,9 +643,16 @@ def regenerate_dataset(
     torch.manual_seed(seed)
     model.eval()
     counts = Counter(turns_regenerated=0, turns_hit_max_new_tokens=0, rows_cut_short=0)
-    written = []
-    bar = tqdm(total=len(conversations), desc="regenerate", disable=not show_progress)
-    for b in range(0, len(conversations), batch_size):
+    bar = tqdm(
+        total=len(conversations),
+        initial=min(resume_at, len(conversations)),
+        desc="regenerate",
+        disable=not show_progress,
+    )
+    t0, new_tokens = time.time(), 0
+    if resume_at:
+        bar.write(f"regenerate: resuming after {len(written)} written rows ({partial})")
+    for b in range(resume_at, len(conversations), batch_size):
         # per conversation: the original turns, the rebuilt list, and the index of the next original turn
         states = [{"source": m, "new": [], "next": 0, "active": True} for m in conversations[b : b + batch_size]]
         while True:
@@ -656,6 +693,8 @@ def regenerate_dataset(
                     pad_token_id=pad_id,
                     **sampling,
                 )
+            new_tokens += int((out[:, width:] != pad_id).sum())
+            bar.set_postfix(turns=counts["turns_regenerated"], tok_s=f"{new_tokens / (time.time() - t0):.0f}")
             for (state, _), generated in zip(prompts, out[:, width:].tolist()):
                 stop_at = next((k for k, t in enumerate(generated) if t in stop_ids), None)
                 if stop_at is None:
@@ -667,14 +706,44 @@ def regenerate_dataset(
                 state["new"].append({"role": "assistant", "content": text})
                 state["next"] += 1
                 counts["turns_regenerated"] += 1
+        done = []
         for state in states:
             if any(m["role"] == "assistant" for m in state["new"]):
                 last = max(i for i, m in enumerate(state["new"]) if m["role"] == "assistant")
-                written.append({"messages": state["new"][: last + 1]})
+                done.append({"messages": state["new"][: last + 1], "_batch": b // batch_size})
+        with open(partial, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in done)
+            f.flush()
+            os.fsync(f.fileno())
+        written += done
         bar.update(len(states))
     bar.close()
-    _write_jsonl_atomic(written, Path(out_path))
+    _write_jsonl_atomic([{"messages": row["messages"]} for row in written], out_path)
+    partial.unlink(missing_ok=True)
     return {"rows_read": len(raw), "rows_written": len(written), **counts, "skipped": dict(skipped)}
+
+
+def _prompt_rows_as_messages(raw: datasets.Dataset) -> datasets.Dataset:
+    """Spec-Bench ``turns`` (user turns) or ``prompt`` rows → ``messages`` rows of user turns, for regeneration."""
+    if "turns" in raw.column_names:
+        key = "turns"
+    elif "prompt" in raw.column_names:
+        key = "prompt"
+    else:
+        return raw  # detect_format names what is missing
+
+    def to_messages(value) -> dict:
+        turns = value if isinstance(value, list) else [value]
+        msgs = [{"role": "user", "content": t} for t in turns if isinstance(t, str)]
+        # one answer slot after each user turn except the last (normalize_conversation adds that one)
+        out = []
+        for i, m in enumerate(msgs):
+            out.append(m)
+            if i + 1 < len(msgs):
+                out.append({"role": "assistant", "content": "(to be regenerated)"})
+        return {"messages": out}
+
+    return raw.map(to_messages, input_columns=key, remove_columns=raw.column_names)
 
 
 def _stop(state: dict, reason: str, skipped: Counter, counts: Counter) -> None:

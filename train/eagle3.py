@@ -181,7 +181,9 @@ def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def build_drafter(cfg: Eagle3RecipeConfig, target: TargetModel, tokenizer, train_set, out: Path, log) -> Eagle3Drafter:
+def build_drafter(
+    cfg: Eagle3RecipeConfig, target: TargetModel, tokenizer, train_set, eval_set, out: Path, log
+) -> Eagle3Drafter:
     """Fine-tune start, resume, or fresh drafter; the draft vocabulary is built once and then always reused."""
     if cfg.drafter.init_from:
         log(f"drafter: fine-tuning {cfg.drafter.init_from} (weights and draft vocabulary reused)")
@@ -200,9 +202,12 @@ def build_drafter(cfg: Eagle3RecipeConfig, target: TargetModel, tokenizer, train
     drafter.set_draft_vocab(d2t, t2d)
     if cfg.drafter.init_head_from_target:
         drafter.init_head_from_target(target)
+    heldout = ""
+    if eval_set is not None:  # coverage of unseen answers: what the served drafter can reach at all
+        heldout = f" and {coverage(count_loss_tokens(eval_set, target.vocab_size), drafter.t2d.cpu()):.1%} of the held-out ones"
     log(
         f"draft vocabulary: {cfg.drafter.draft_vocab_size} of {target.vocab_size} ids cover "
-        f"{coverage(counts, drafter.t2d.cpu()):.1%} of the training targets"
+        f"{coverage(counts, drafter.t2d.cpu()):.1%} of the training targets{heldout}"
     )
     return drafter
 
@@ -251,7 +256,7 @@ def report_main(argv: list[str]) -> None:
     target = TargetModel.from_config(target_cfg)
     drafter = Eagle3Drafter.from_pretrained(drafter_dir, target, tokenizer)
     eval_set = build_dataset(cfg.eval_data, tokenizer)[0] if recipe and cfg.eval_data is not None else None
-    run_report(target, drafter, tokenizer, cfg.report, drafter_dir, eval_set)
+    run_report(target, drafter, tokenizer, cfg.report, cfg.report.output_dir or drafter_dir, eval_set)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -319,7 +324,7 @@ def main(argv: list[str]) -> None:
         log(f"self-distillation: +{len(extra)} target continuations → {len(train_set)} training samples")
 
     # ---- draft vocabulary + drafter
-    drafter = build_drafter(cfg, target, tokenizer, train_set, out, log).to(accelerator.device)
+    drafter = build_drafter(cfg, target, tokenizer, train_set, eval_set, out, log).to(accelerator.device)
     if accelerator.is_main_process and not (out / "draft_vocab.safetensors").exists():
         save_file({"d2t": drafter.d2t.cpu(), "t2d": drafter.t2d.cpu()}, str(out / "draft_vocab.safetensors"))
 

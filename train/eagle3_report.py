@@ -1,8 +1,9 @@
 """The verify-runtime report of an EAGLE-3 drafter (end of training, or on demand for any checkpoint).
 
-Measures, on held-out prompts and in one process with interleaved runs (``infer.report.measure``): vanilla decoding,
-prompt lookup, the drafter as a chain and as an EAGLE-2 dynamic tree, and (when given) a small draft model with the
-same chain and tree settings; writes ``report.json`` + ``report.md``.
+Measures, on held-out prompts (``eval.prompts``; every answer stops at the target's EOS) and in one process with
+interleaved runs (``eval.measure``): vanilla decoding, HF ``generate``, prompt lookup, the drafter as a chain and as
+an EAGLE-2 dynamic tree, and (when given) a small draft model with the same chain and tree settings; writes
+``report.json`` + ``report.md`` with rows for all prompts and for each category.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ from pathlib import Path
 
 import torch
 
+from eval.measure import Candidate, MeasuredPrompt, measure, stop_ids, write_report
+from eval.prompts import CATEGORIES, builtin_prompts, encode_turns, load_prompt_file
 from infer.eagle3_proposer import Eagle3Proposer
-from infer.generate import generate_speculative
+from infer.generate import generate_vanilla
 from infer.proposers import DraftModelProposer
-from infer.report import Candidate, measure, write_report
 from infer.sampling import SamplingParams
 from infer.tree_search import DynamicTreeConfig
 from models.eagle3 import Eagle3Drafter
 from models.target import TargetModel
 
-PROMPT_SOURCES = ("stdlib", "eval_data")
+PROMPT_SOURCES = ("builtin", "stdlib", "eval_data")
 
 
 @dataclass
@@ -31,15 +33,21 @@ class ReportConfig:
 
     enabled: bool = True
     """Run the report at the end of training (the ``report`` mode runs it regardless)."""
-    prompt_source: str = "stdlib"
-    """"stdlib": held-out files of the reference corpus (train/stdlib_corpus.py); "eval_data": the eval_data samples,
-    each cut before its first loss token (the prompt the target would answer)."""
+    prompt_source: str = "builtin"
+    """"builtin": the categories below (eval/prompts.py; needs a chat template); "stdlib": held-out files of the
+    standard-library corpus continued as raw text (targets without a chat template); "eval_data": the eval_data
+    samples, each cut before its first loss token. ``prompts_path`` overrides all three."""
+    prompts_path: str | None = None
+    """A jsonl of Spec-Bench ({question_id, category, turns}) or HumanEval ({task_id, prompt}) rows to measure
+    instead (every turn of a multi-turn question is one measured prompt, after the target's own earlier answers)."""
+    categories: list[str] = field(default_factory=lambda: ["chat", "code"])
+    """Built-in categories for prompt_source "builtin": chat, code (HumanEval), copy, long."""
     prompts: int = 16
-    """Number of held-out prompts."""
+    """Prompts per category (builtin) or in all (other sources; a file: its first N rows)."""
     prompt_tokens: int = 64
     """eval_data prompts of raw text (loss on every token): the first prompt_tokens tokens of each sample."""
     max_new_tokens: int = 128
-    """Tokens generated per prompt and method."""
+    """Cap on tokens per answer; answers stop earlier at the target's EOS."""
     chain_k: int = 5
     """Drafts per round of the chain setting (0 leaves the chain out)."""
     tree_top_k: int = 4
@@ -56,10 +64,14 @@ class ReportConfig:
     """Sampling temperatures to measure (0 = greedy, with the token-identity check)."""
     drafter_dir: str | None = None
     """``report`` mode without --drafter: checkpoint to measure (default: train.output_dir of the --config recipe)."""
+    output_dir: str | None = None
+    """``report`` mode: where report.json / report.md go (default: the drafter's folder)."""
 
     def __post_init__(self) -> None:
         if self.prompt_source not in PROMPT_SOURCES:
             raise ValueError(f"prompt_source must be one of {PROMPT_SOURCES}, got {self.prompt_source!r}")
+        if any(c not in CATEGORIES for c in self.categories) or not self.categories:
+            raise ValueError(f"categories must be a non-empty list of {CATEGORIES}, got {self.categories}")
         if self.prompts < 1 or self.max_new_tokens < 1 or self.prompt_tokens < 1:
             raise ValueError("prompts, prompt_tokens and max_new_tokens must be >= 1")
         if self.chain_k < 0 or self.tree_total_tokens < 0 or (self.tree_total_tokens and self.tree_total_tokens < 2):
@@ -78,12 +90,27 @@ class ReportConfig:
         return f"EAGLE-2 k{self.tree_top_k} d{self.tree_depth} n{self.tree_total_tokens}"
 
 
-def report_prompts(cfg: ReportConfig, tokenizer, eval_set=None) -> list[list[int]]:
-    """Token ids of the held-out prompts."""
+def report_prompts(
+    cfg: ReportConfig, tokenizer, target: TargetModel, eval_set=None
+) -> tuple[list[MeasuredPrompt], str]:
+    """The measured prompts (token ids + category) and a one-line description of the prompt set."""
+    if cfg.prompts_path or cfg.prompt_source == "builtin":
+        if cfg.prompts_path:
+            chosen, name = load_prompt_file(cfg.prompts_path, cfg.prompts), f"file {cfg.prompts_path}"
+        else:
+            chosen = [p for c in cfg.categories for p in builtin_prompts(c, cfg.prompts)]
+            name = "built-in " + ", ".join(f"{c} ({sum(p.category == c for p in chosen)})" for c in cfg.categories)
+        if not tokenizer.get_chat_template():
+            raise ValueError("chat prompts need a tokenizer with a chat template; use report.prompt_source=stdlib")
+        params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
+        eos = stop_ids(tokenizer, target.model)
+        turns = encode_turns(chosen, tokenizer, lambda ids: generate_vanilla(target, [ids], params, eos).tokens[0])
+        return [MeasuredPrompt(ids, p.category) for p, _, ids in turns], name
     if cfg.prompt_source == "stdlib":
-        from train.stdlib_corpus import heldout_prompts
+        from eval.stdlib_corpus import heldout_prompts
 
-        return [p["prompt_ids"] for p in heldout_prompts(tokenizer, n=cfg.prompts)]
+        ids = [p["prompt_ids"] for p in heldout_prompts(tokenizer, n=cfg.prompts)]
+        return [MeasuredPrompt(i, "stdlib") for i in ids], "held-out standard-library files (raw text)"
     if eval_set is None:
         raise ValueError("report.prompt_source='eval_data' needs an eval_data section")
     prompts = []
@@ -92,10 +119,10 @@ def report_prompts(cfg: ReportConfig, tokenizer, eval_set=None) -> list[list[int
         # chat: everything before the first assistant token; raw text (every token a target): a fixed-length head
         cut = first if first > 1 else cfg.prompt_tokens
         if len(sample["input_ids"]) > cut:
-            prompts.append(list(sample["input_ids"][:cut]))
+            prompts.append(MeasuredPrompt(list(sample["input_ids"][:cut]), "eval_data"))
         if len(prompts) == cfg.prompts:
             break
-    return prompts
+    return prompts, "eval_data samples cut before their first loss token"
 
 
 def candidates(drafter: Eagle3Drafter, cfg: ReportConfig, log: Callable[[str], None] = print) -> list[Candidate]:
@@ -131,24 +158,24 @@ def run_report(
     log: Callable[[str], None] = print,
 ) -> list[dict]:
     """Measure and write report.json / report.md into ``out_dir``; returns the result rows."""
-    prompts = report_prompts(cfg, tokenizer, eval_set)
+    prompts, prompt_set = report_prompts(cfg, tokenizer, target, eval_set)
+    if not prompts:
+        raise ValueError(f"report: the prompt set ({prompt_set}) gave no prompts")
     drafter = drafter.to(target.device).eval()
     log(
-        f"report: {len(prompts)} held-out prompts, {cfg.max_new_tokens} new tokens, T {cfg.temperatures}, "
-        f"bs {cfg.batch_sizes}"
+        f"report: {len(prompts)} prompts ({prompt_set}), up to {cfg.max_new_tokens} new tokens (stop at EOS), "
+        f"T {cfg.temperatures}, bs {cfg.batch_sizes}"
     )
-    cands = candidates(drafter, cfg, log)
-    for c in cands:  # warm-up outside the timed region (measure() warms vanilla only; first calls pay one-off costs)
-        generate_speculative(target, c.make(), [prompts[0]], SamplingParams(max_new_tokens=8))
     rows = measure(
         target,
-        cands,
+        candidates(drafter, cfg, log),
         prompts,
+        stop_ids(tokenizer, target.model),
         temperatures=tuple(cfg.temperatures),
         max_new_tokens=cfg.max_new_tokens,
         batch_sizes=tuple(cfg.batch_sizes),
         log=log,
     )
-    write_report(out_dir, "eagle3", str(target.name_or_path), rows, notes=notes)
+    write_report(out_dir, "eagle3", str(target.name_or_path), rows, prompt_set=prompt_set, notes=notes)
     log(f"report written to {out_dir}/report.md")
     return rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -33,20 +34,42 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def mixed_precision(choice: str) -> str:
-    """Accelerate's ``mixed_precision`` for "auto" / "bf16" / "fp32".
+def cpu_bf16_is_fast(cpu_flags: str | None = None, timer=None) -> bool:
+    """Whether bf16 matmuls beat fp32 on this CPU, by measurement (DESIGN.md §7: never assume).
 
-    "auto" is bf16 on CUDA and on CPUs with native bf16 arithmetic (avx512_bf16 / amx_bf16), else fp32: on CPUs
-    without it a bf16 matmul runs ~100x slower than fp32 (measured on this project's build machine).
+    CPUs without native bf16 instructions (no ``avx512_bf16`` / ``amx_bf16`` in /proc/cpuinfo) emulate it ~100x
+    slower, so they are ruled out without timing. Otherwise a 512² matmul is timed in both dtypes (~10 ms) and bf16
+    must be at least 1.25x faster. ``cpu_flags`` and ``timer(dtype) -> seconds`` replace the machine in tests.
     """
+    if cpu_flags is None:
+        try:
+            cpu_flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    if "avx512_bf16" not in cpu_flags and "amx_bf16" not in cpu_flags:
+        return False
+    timer = timer or _matmul_seconds
+    return timer(torch.bfloat16) * 1.25 <= timer(torch.float32)
+
+
+def _matmul_seconds(dtype: torch.dtype, n: int = 512, reps: int = 5) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b  # first call: one-off kernel selection
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def mixed_precision(choice: str) -> str:
+    """Accelerate's ``mixed_precision`` for "auto" / "bf16" / "fp32": "auto" is bf16 on CUDA and on CPUs where
+    `cpu_bf16_is_fast` measures bf16 faster, else fp32."""
     if choice == "bf16":
         return "bf16"
     if choice == "fp32":
         return "no"
     if torch.cuda.is_available():
         return "bf16"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "no"
-    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "no"
+    return "bf16" if cpu_bf16_is_fast() else "no"

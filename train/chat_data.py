@@ -1,0 +1,346 @@
+"""Chat training data without hubs: prompts the target writes or templates build, answered by the target itself.
+
+Three kinds of prompts (DESIGN.md §5, REFERENCE.md "Data without hubs"):
+
+- ``magpie``: the target, given only its template up to an open user turn (system turn + ``<|im_start|>user\\n`` for
+  ChatML), writes a user request (Magpie, Xu et al. 2024). Sampled (T = 1, top-p 0.95), then filtered: the request
+  must end with the end-of-turn token, be 16–1,200 characters, hold no template text, and not repeat an earlier
+  request (normalized text, or the same first eight words).
+- ``code``: templated tasks around real functions of the held-in (train-split) standard-library files: explain,
+  document, review, complete, rewrite, test. The code is in the prompt, as users paste it.
+- multi-turn: a share of the conversations gets a second user turn (a follow-up from a fixed list); its answer is
+  generated after, and conditioned on, the target's own first answer.
+
+Then the target answers every user turn (self-distillation, batched, greedy by default: the T = 0 report measures
+the target's greedy text). Both stages append finished batches to a jsonl (flushed and fsynced) and resume from it,
+so an interrupted build continues where it stopped; a torn last line is dropped. Requests use one seed per batch;
+greedy answers do not depend on how the rows were batched (up to rounding-level ties).
+A held-out share of the magpie prompts becomes the ``chat`` evaluation set instead (never answered for training).
+
+    python -m train.chat_data --target smollm2-135m-instruct --out outputs/smollm2-data --magpie 2000 --code 1500
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gzip
+import hashlib
+import json
+import os
+import random
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from eval.stdlib_corpus import split_files, stdlib_files
+from infer.generate import generate_vanilla
+from infer.sampling import SamplingParams
+from models.target import TargetModel
+from train.data import end_of_turn_token_ids, render
+
+CODE_TEMPLATES = (
+    "Explain what the following Python function does.\n\n```python\n{code}\n```",
+    "Write a docstring for this Python function.\n\n```python\n{code}\n```",
+    "Review this Python function and suggest improvements.\n\n```python\n{code}\n```",
+    "Rewrite this Python function so that it is easier to read.\n\n```python\n{code}\n```",
+    "Write pytest unit tests for this function.\n\n```python\n{code}\n```",
+    "Complete the body of this Python function.\n\n```python\n{head}\n```",
+    "What could go wrong when calling `{name}`? Here is its code:\n\n```python\n{code}\n```",
+)
+FOLLOW_UPS = (
+    "Can you explain that in simpler terms?",
+    "Can you give me a concrete example?",
+    "Please make your answer shorter.",
+    "What are the most common mistakes to avoid here?",
+    "Can you summarize that as a list of key points?",
+    "Thanks! Could you go into a bit more detail?",
+)
+
+
+@dataclass
+class BuildConfig:
+    magpie: int = 2000
+    """Self-synthesised requests to keep (training + held-out chat prompts)."""
+    heldout_chat: int = 64
+    """Of those, kept out of training as the ``chat`` evaluation prompts."""
+    code: int = 1500
+    """Templated code tasks from held-in stdlib functions."""
+    multi_turn: float = 0.2
+    """Share of conversations that get a second user turn."""
+    answer_temperature: float = 0.0
+    """Temperature of the target's answers (0 = greedy)."""
+    max_new_tokens: int = 384
+    """Cap per answer; answers that hit it are kept and counted."""
+    batch_size: int = 32
+    """Rows per generate call."""
+    seed: int = 0
+
+
+def _append_jsonl(path: Path, rows: list[dict]) -> None:
+    """Append whole rows and flush them to disk: a crash loses at most the batch being generated."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    """Rows of a jsonl written by `_append_jsonl`; a torn last line (a crash mid-write) is dropped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def normalize(text: str) -> str:
+    return re.sub(r"\s+", " ", text.strip().lower())
+
+
+def user_turn_prefix(tokenizer) -> str:
+    """The template's text up to the content of a first user turn (default system turn included)."""
+    marker = "\x00MAGPIE\x00"
+    text = render(tokenizer, [{"role": "user", "content": marker}])
+    return text[: text.index(marker)]
+
+
+class RequestFilter:
+    """Keeps a synthesised request when it is complete, plausible, and new (see the module docstring)."""
+
+    def __init__(self, seen: list[str] = ()) -> None:
+        self.full: set[str] = set()
+        self.head: set[str] = set()
+        self.rejected: dict[str, int] = {"truncated": 0, "length": 0, "template_text": 0, "duplicate": 0}
+        for s in seen:
+            self.add(s)
+
+    def add(self, text: str) -> None:
+        n = normalize(text)
+        self.full.add(n)
+        self.head.add(" ".join(n.split()[:8]))
+
+    def keep(self, text: str, complete: bool) -> bool:
+        n = normalize(text)
+        reason = None
+        if not complete:
+            reason = "truncated"
+        elif not 16 <= len(text.strip()) <= 1200:
+            reason = "length"
+        elif "<|" in text or "|>" in text or n.startswith(("assistant", "user", "system")):
+            reason = "template_text"
+        elif n in self.full or " ".join(n.split()[:8]) in self.head:
+            reason = "duplicate"
+        if reason:
+            self.rejected[reason] += 1
+            return False
+        self.add(text)
+        return True
+
+
+def code_tasks(n: int, seed: int) -> list[dict]:
+    """``n`` templated tasks around functions of the train-split stdlib files (4–40 lines each)."""
+    train_files, _ = split_files(stdlib_files()[0])
+    functions = []
+    for f in train_files:
+        try:
+            tree = ast.parse(f.text)
+        except SyntaxError:
+            continue
+        lines = f.text.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and 4 <= node.end_lineno - node.lineno + 1 <= 40:
+                body = lines[node.lineno - 1 : node.end_lineno]
+                indent = len(body[0]) - len(body[0].lstrip())
+                code = "\n".join(line[indent:] for line in body)
+                head_end = node.body[0].lineno - node.lineno
+                if isinstance(node.body[0], ast.Expr) and isinstance(
+                    getattr(node.body[0], "value", None), ast.Constant
+                ):
+                    head_end = node.body[0].end_lineno - node.lineno + 1  # keep the docstring in the head
+                head = "\n".join(line[indent:] for line in body[: max(1, head_end)])
+                functions.append({"name": node.name, "code": code, "head": head, "source": f.relpath})
+    rng = random.Random(seed)
+    rng.shuffle(functions)
+    tasks = []
+    for i, fn in enumerate(functions[:n]):
+        template = CODE_TEMPLATES[i % len(CODE_TEMPLATES)]
+        tasks.append({"id": f"code-{i}", "kind": "code", "source": fn["source"], "turns": [template.format(**fn)]})
+    return tasks
+
+
+@torch.no_grad()
+def synthesize_requests(target: TargetModel, tokenizer, cfg: BuildConfig, path: Path, log=print) -> list[dict]:
+    """Magpie: sample user requests from the bare user-turn header until ``cfg.magpie`` pass the filter."""
+    prefix = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False)["input_ids"]
+    stop = tuple(end_of_turn_token_ids(tokenizer)) or (tokenizer.eos_token_id,)
+    rows = _read_jsonl(path)
+    filt = RequestFilter([r["turns"][0] for r in rows])
+    batches = len({r["batch"] for r in rows})
+    bar = tqdm(total=cfg.magpie, initial=len(rows), desc="magpie requests")
+    t0, tokens = time.time(), 0
+    while len(rows) < cfg.magpie:
+        params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=128, seed=cfg.seed * 1_000_003 + batches)
+        out = generate_vanilla(target, [prefix] * cfg.batch_size, params, stop)
+        new = []
+        for toks in out.tokens:
+            tokens += len(toks)
+            complete = bool(toks) and toks[-1] in stop
+            text = tokenizer.decode(toks[:-1] if complete else toks, skip_special_tokens=False).strip()
+            if filt.keep(text, complete) and len(rows) + len(new) < cfg.magpie:
+                new.append(
+                    {"id": f"magpie-{len(rows) + len(new)}", "kind": "magpie", "batch": batches, "turns": [text]}
+                )
+        _append_jsonl(path, new)
+        rows += new
+        batches += 1
+        bar.update(len(new))
+        bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.0f}", rejected=sum(filt.rejected.values()))
+    bar.close()
+    log(f"magpie: {len(rows)} requests kept; rejected this run {filt.rejected}")
+    return rows[: cfg.magpie]
+
+
+def split_heldout(requests: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
+    """The first ``heldout`` requests (as random as any: each batch is sampled afresh) are evaluation prompts, the
+    rest train. Taking a prefix keeps the split fixed when a later build asks for more requests."""
+    return requests[heldout:], requests[:heldout]
+
+
+@torch.no_grad()
+def answer_conversations(
+    target: TargetModel, tokenizer, convs: list[dict], cfg: BuildConfig, path: Path, log=print
+) -> dict:
+    """Answer every user turn of every conversation with the target; appends finished rows to ``path``.
+
+    Row format: ``{"id", "kind", "messages": [...]}`` (roles user/assistant; the template adds its system turn).
+    A conversation whose first answer is empty is skipped and counted; one whose second answer is empty keeps its
+    first exchange.
+    """
+    stop = tuple(end_of_turn_token_ids(tokenizer)) or (tokenizer.eos_token_id,)
+    done = {r["id"] for r in _read_jsonl(path)}
+    todo = [c for c in convs if c["id"] not in done]
+    counts = {"rows_written": 0, "hit_max_new_tokens": 0, "empty_answer": 0, "answer_tokens": 0}
+    bar = tqdm(total=len(convs), initial=len(convs) - len(todo), desc="answers")
+    t0 = time.time()
+    for b in range(0, len(todo), cfg.batch_size):
+        batch = todo[b : b + cfg.batch_size]
+        messages = [[] for _ in batch]
+        alive = list(range(len(batch)))
+        for turn in range(max(len(c["turns"]) for c in batch)):
+            rows = [i for i in alive if turn < len(batch[i]["turns"])]
+            if not rows:
+                break
+            for i in rows:
+                messages[i].append({"role": "user", "content": batch[i]["turns"][turn]})
+            prompts = [
+                tokenizer(render(tokenizer, messages[i], add_generation_prompt=True), add_special_tokens=False)[
+                    "input_ids"
+                ]
+                for i in rows
+            ]
+            seed = int(hashlib.sha256(f"{cfg.seed}:{batch[0]['id']}:{turn}".encode()).hexdigest()[:8], 16)
+            params = SamplingParams(temperature=cfg.answer_temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
+            out = generate_vanilla(target, prompts, params, stop)
+            for i, toks in zip(rows, out.tokens):
+                complete = bool(toks) and toks[-1] in stop
+                counts["hit_max_new_tokens"] += int(not complete)
+                counts["answer_tokens"] += len(toks)
+                text = tokenizer.decode(toks[:-1] if complete else toks, skip_special_tokens=True).strip()
+                if not text:
+                    counts["empty_answer"] += 1
+                    messages[i].pop()  # the unanswered user turn
+                    alive.remove(i)
+                    continue
+                messages[i].append({"role": "assistant", "content": text})
+        finished = [{"id": c["id"], "kind": c["kind"], "messages": m} for c, m in zip(batch, messages) if len(m) >= 2]
+        _append_jsonl(path, finished)
+        counts["rows_written"] += len(finished)
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{counts['answer_tokens'] / (time.time() - t0):.0f}")
+    bar.close()
+    log(f"answers: {json.dumps(counts)}")
+    return counts
+
+
+def add_follow_ups(convs: list[dict], share: float, seed: int) -> list[dict]:
+    rng = random.Random(seed + 11)
+    out = []
+    for c in convs:
+        c = dict(c, turns=list(c["turns"]))
+        if rng.random() < share:
+            c["turns"].append(rng.choice(FOLLOW_UPS))
+        out.append(c)
+    return out
+
+
+def write_gz(rows: list[dict], path: Path) -> None:
+    """Deterministic gzip (no timestamp in the header) of a jsonl, written atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
+    os.replace(tmp, path)
+
+
+def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=print) -> dict:
+    """Both stages, resumable; writes ``train.jsonl.gz`` (training conversations), ``heldout.jsonl.gz`` (the
+    held-out requests answered, for held-out metrics) and ``chat_heldout.jsonl`` (the held-out requests in
+    Spec-Bench format, the ``chat`` evaluation prompts) into ``out_dir`` once the answers are complete."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    requests = synthesize_requests(target, tokenizer, cfg, out_dir / "magpie_requests.jsonl", log)
+    train_requests, heldout = split_heldout(requests, cfg.heldout_chat)
+    convs = add_follow_ups(train_requests + code_tasks(cfg.code, cfg.seed), cfg.multi_turn, cfg.seed)
+    # held-out requests answered too: held-out data for the simulated τ and vocabulary coverage, never trained on
+    answer_conversations(target, tokenizer, heldout, cfg, out_dir / "answers_heldout.jsonl", log)
+    counts = answer_conversations(target, tokenizer, convs, cfg, out_dir / "answers.jsonl", log)
+    answered = {r["id"]: r for r in _read_jsonl(out_dir / "answers.jsonl")}
+    rows = [answered[c["id"]] for c in convs if c["id"] in answered]
+    write_gz(rows, out_dir / "train.jsonl.gz")
+    write_gz(_read_jsonl(out_dir / "answers_heldout.jsonl"), out_dir / "heldout.jsonl.gz")
+    with open(out_dir / "chat_heldout.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(
+            json.dumps({"question_id": r["id"], "category": "chat", "turns": r["turns"]}, ensure_ascii=False) + "\n"
+            for r in heldout
+        )
+    summary = {
+        "conversations": len(rows),
+        "by_kind": {k: sum(r["kind"] == k for r in rows) for k in ("magpie", "code")},
+        "multi_turn": sum(len(r["messages"]) > 2 for r in rows),
+        "heldout_chat_prompts": len(heldout),
+        "this_run": counts,
+        "minutes_this_run": round((time.time() - t0) / 60, 1),
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(json.dumps(summary))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="short name, folder or hub id")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    for name, default in vars(BuildConfig()).items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from models.target import TargetConfig, load_tokenizer
+
+    cfg = BuildConfig(**{k: getattr(args, k) for k in vars(BuildConfig())})
+    tokenizer = load_tokenizer(args.target)
+    target = TargetModel.from_config(TargetConfig(name_or_path=args.target, dtype="float32"))
+    return build(target, tokenizer, cfg, args.out)
+
+
+if __name__ == "__main__":
+    main()

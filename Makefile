@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+QUICK ?=
 quickstart: $(STAMP)
-	$(BIN)/drafters quickstart
+	$(BIN)/python -m scripts.cli quickstart $(QUICK)
 
 # default tier + integration tier (what CI runs)
 test: $(STAMP)

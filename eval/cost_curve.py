@@ -21,18 +21,75 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from eval.stdlib_corpus import heldout_prompts
-from infer.generate import DecodeState, prefill, verify_tree
+from infer.generate import DecodeState, Proposer, generate_speculative, prefill, verify_tree
 from infer.sampling import SamplingParams
 from infer.tree import chain
 from models.target import TargetConfig, TargetModel, load_tokenizer
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def expected_tokens(alpha: list[float], k: int) -> float:
+    """Tokens per round of a k-draft chain with per-depth acceptance α (bonus included): 1 + Σ_i Π_{j≤i} α_j."""
+    total, run = 1.0, 1.0
+    for a in alpha[:k]:
+        run *= a
+        total += run
+    return total
+
+
+def best_chain_length(
+    alpha: list[float], draft_step_s: float, verify_s: dict[int, float], overhead_s: float = 0.0
+) -> tuple[int, dict[int, float]]:
+    """The chain length k maximising tokens per second, E(k) / (k·t_draft + t_verify(k + 1) + overhead), over the k
+    for which α and the verify cost of k + 1 tokens are known (Sequoia's rule for chains). Returns (k, rate by k)."""
+    rates = {
+        k: expected_tokens(alpha, k) / (k * draft_step_s + verify_s[k + 1] + overhead_s)
+        for k in range(1, len(alpha) + 1)
+        if k + 1 in verify_s
+    }
+    if not rates:
+        raise ValueError("need acceptance for depth 1 and the verify cost of 2 tokens at least")
+    return max(rates, key=rates.get), rates
+
+
+def size_chain(
+    target: TargetModel,
+    make: Callable[[int], Proposer],
+    prompts: list[list[int]],
+    max_k: int,
+    eos_ids: tuple[int, ...],
+    log: Callable[[str], None] = print,
+) -> tuple[int, str]:
+    """Pick a proposer's chain length on this machine: a pilot run at ``max_k`` (two prompts, 64 tokens) gives its
+    per-depth acceptance, draft-step and bookkeeping costs; `verify_costs` gives t_verify(n) here and now; the
+    length with the best predicted rate wins (`best_chain_length`). Returns (k, a one-line account)."""
+    stats = [
+        generate_speculative(target, make(max_k), [p], SamplingParams(max_new_tokens=64), eos_ids).stats
+        for p in prompts[:2]
+    ]
+    rounds = max(1, sum(s.rounds for s in stats))
+    att = [sum(s.attempted_at_depth[i] for s in stats if i < len(s.attempted_at_depth)) for i in range(max_k)]
+    acc = [sum(s.accepted_at_depth[i] for s in stats if i < len(s.accepted_at_depth)) for i in range(max_k)]
+    alpha = [a / t if t else 0.0 for a, t in zip(acc, att)]
+    draft_step = sum(s.draft_s for s in stats) / rounds / max_k
+    overhead = sum(s.bookkeeping_s for s in stats) / rounds
+    curve = verify_costs(target, prompts[0], tuple(range(1, max_k + 2)), reps=5, aux=make(1).needs_features)
+    k, rates = best_chain_length(alpha, draft_step, curve, overhead)
+    account = (
+        f"chain length {k} of 1..{max_k} (pilot α {' '.join(f'{a:.2f}' for a in alpha)}, draft step "
+        f"{1e3 * draft_step:.1f} ms, verify ms {' '.join(f'{n}:{1e3 * t:.0f}' for n, t in curve.items())}; predicted "
+        f"tokens/s by k {' '.join(f'{i}:{r:.1f}' for i, r in rates.items())})"
+    )
+    log(f"cost curve: {account}")
+    return k, account
 
 
 def _timed(fn) -> float:

@@ -197,11 +197,17 @@ def measure(
                 hf_tps = h["tokens"] / h["s"] if h["s"] else None
                 base = max(vanilla_tps, hf_tps or 0.0)
                 n_prompts = sum(len(b) for b in batches if cat in ("all", b[0].category))
+                # one vanilla step (a target forward over one token per row), the t_target(1) of DESIGN.md §4
+                vanilla_step = sum(s.verify_s for s in v["stats"]) / max(1, sum(s.rounds for s in v["stats"]))
                 for c in candidates:
                     m = acc[c.proposer + c.setting].merged(cat)
                     merged = GenerationStats(
                         new_tokens=sum(s.new_tokens for s in m["stats"]),
                         row_forwards=sum(s.row_forwards for s in m["stats"]),
+                        rounds=sum(s.rounds for s in m["stats"]),
+                        draft_s=sum(s.draft_s for s in m["stats"]),
+                        verify_s=sum(s.verify_s for s in m["stats"]),
+                        bookkeeping_s=sum(s.bookkeeping_s for s in m["stats"]),
                     )
                     row = {
                         "proposer": c.proposer,
@@ -210,6 +216,8 @@ def measure(
                         "temperature": temp,
                         "batch_size": bs,
                         "tau": merged.tau,
+                        "new_tokens": m["tokens"],
+                        "vanilla_new_tokens": v["tokens"],
                         "speedup": (m["tokens"] / m["s"]) / base,
                         "tokens_per_s": m["tokens"] / m["s"],
                         "vanilla_tokens_per_s": base,
@@ -217,6 +225,9 @@ def measure(
                         "hf_generate_tokens_per_s": hf_tps,
                         "vanilla_mean_answer_tokens": v["tokens"] / n_prompts,
                         "alpha": alpha_of(m["stats"]),
+                        "predicted_speedup": merged.predicted_speedup(vanilla_step),
+                        "step_ms": {k: 1e3 * x for k, x in merged.step_costs().items()}
+                        | {"vanilla": 1e3 * vanilla_step},
                         "greedy_identical": m["same"] / m["compared"] if m["compared"] else None,
                         "divergences": m["div"],
                         "prompts": n_prompts,
@@ -234,6 +245,8 @@ def measure(
                         "temperature": temp,
                         "batch_size": bs,
                         "tau": None,
+                        "new_tokens": m["tokens"],
+                        "vanilla_new_tokens": v["tokens"],
                         "speedup": (m["tokens"] / m["s"]) / base,
                         "tokens_per_s": m["tokens"] / m["s"],
                         "vanilla_tokens_per_s": base,
@@ -241,6 +254,8 @@ def measure(
                         "hf_generate_tokens_per_s": hf_tps,
                         "vanilla_mean_answer_tokens": v["tokens"] / n_prompts,
                         "alpha": [],
+                        "predicted_speedup": None,
+                        "step_ms": None,
                         "greedy_identical": m["same"] / m["compared"] if m["compared"] else None,
                         "divergences": [],
                         "prompts": n_prompts,
@@ -282,8 +297,9 @@ def write_report(
         "",
         f"Target: `{target_name}`. Prompts: {prompt_set}. {notes}".strip(),
         "",
-        "| category | proposer | setting | T | bs | τ | speedup | tokens/s | vanilla tokens/s | α | greedy identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| category | proposer | setting | T | bs | τ | speedup | predicted | tokens/s | vanilla tokens/s | α | "
+        "greedy identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gi = "–" if r["greedy_identical"] is None else f"{r['greedy_identical']:.2f}"
@@ -291,9 +307,10 @@ def write_report(
             ties = sum(d["top2_gap"] is not None and d["top2_gap"] < TIE_GAP for d in r["divergences"])
             gi += f" ({len(r['divergences'])} diverged, {ties} at a numerical tie)"
         tau = "–" if r["tau"] is None else f"{r['tau']:.2f}"
+        pred = "–" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x"
         lines.append(
             f"| {r['category']} | {r['proposer']}{' (lossy)' if r['lossy'] else ''} | {r['setting']} | "
-            f"{r['temperature']} | {r['batch_size']} | {tau} | {r['speedup']:.2f}x | {r['tokens_per_s']:.1f} | "
+            f"{r['temperature']} | {r['batch_size']} | {tau} | {r['speedup']:.2f}x | {pred} | {r['tokens_per_s']:.1f} | "
             f"{r['vanilla_tokens_per_s']:.1f} | {' '.join(f'{a:.2f}' for a in r['alpha'][:8])} | {gi} |"
         )
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -71,6 +71,7 @@ def quickstart(argv: list[str]) -> None:
     from infer.sampling import SamplingParams
     from models.eagle3 import Eagle3Drafter
     from models.target import TargetConfig, TargetModel, load_tokenizer
+
     t0 = time.time()
     name = "smollm2-135m-instruct"
     tokenizer = load_tokenizer(name)

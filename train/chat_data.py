@@ -320,8 +320,35 @@ def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=p
         "minutes_this_run": round((time.time() - t0) / 60, 1),
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "README.md").write_text(data_card(rows, heldout, cfg, tokenizer))
     log(json.dumps(summary))
     return summary
+
+
+def data_card(rows: list[dict], heldout: list[dict], cfg: BuildConfig, tokenizer) -> str:
+    """What the data is, how it was made and how big it is (token counts with the target's tokenizer)."""
+    answers = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
+    answer_tokens = sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)
+    kinds = {k: sum(r["kind"] == k for r in rows) for k in ("magpie", "code")}
+    two_turn = sum(len(r["messages"]) > 2 for r in rows)
+    return f"""# Self-distilled chat data for {tokenizer.name_or_path}
+
+Built without any hub by `python -m train.chat_data` (train/chat_data.py; resumable, seed {cfg.seed}):
+
+- {kinds["magpie"]} requests the target wrote itself from the bare ChatML user header (Magpie: T = 1, top-p 0.95,
+  filtered for completeness, length, template text and near-duplicates);
+- {kinds["code"]} templated code tasks (explain / document / review / rewrite / test / complete) around functions of
+  the train split of the Python standard library (`eval/stdlib_corpus.py`);
+- {two_turn} of the conversations ({two_turn / max(1, len(rows)):.0%}) have a second user turn, answered after the
+  target's own first answer;
+- every answer written by the target, T = {cfg.answer_temperature} (0 = greedy), at most {cfg.max_new_tokens} tokens.
+
+`train.jsonl.gz`: {len(rows)} conversations, {len(answers)} assistant turns, {answer_tokens:,} answer tokens
+(`messages` rows; the template adds its default system turn). `heldout.jsonl.gz`: the {len(heldout)} held-out
+requests answered the same way, for held-out metrics only. The same requests are the `chat` evaluation prompts
+(`eval/prompts/chat_heldout.jsonl`); they are the first {len(heldout)} requests synthesised and never in
+`train.jsonl.gz` (tests/test_reference.py checks it). License: the target's (Apache-2.0); stdlib code: PSF.
+"""
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from eval.cost_curve import size_chain
 from eval.measure import Candidate, MeasuredPrompt, measure, stop_ids, write_report
 from eval.prompts import CATEGORIES, builtin_prompts, encode_turns, load_prompt_file
 from infer.eagle3_proposer import Eagle3Proposer
@@ -49,7 +50,11 @@ class ReportConfig:
     max_new_tokens: int = 128
     """Cap on tokens per answer; answers stop earlier at the target's EOS."""
     chain_k: int = 5
-    """Drafts per round of the chain setting (0 leaves the chain out)."""
+    """Drafts per round of the chain setting (0 leaves the chain out); the longest chain tried when
+    chain_from_cost_curve is on."""
+    chain_from_cost_curve: bool = True
+    """Pick each chain's length (1..chain_k) on the machine that runs the report, from a pilot run's acceptance and
+    step costs and the verify-cost curve measured there (eval.cost_curve.size_chain); off: exactly chain_k."""
     tree_top_k: int = 4
     """EAGLE-2 dynamic tree: children per node and frontier width (EAGLE-2 default 10; ≤ 16-node trees on a CPU)."""
     tree_depth: int = 5
@@ -100,7 +105,7 @@ def report_prompts(
         else:
             chosen = [p for c in cfg.categories for p in builtin_prompts(c, cfg.prompts)]
             name = "built-in " + ", ".join(f"{c} ({sum(p.category == c for p in chosen)})" for c in cfg.categories)
-        if not tokenizer.get_chat_template():
+        if not tokenizer.chat_template:
             raise ValueError("chat prompts need a tokenizer with a chat template; use report.prompt_source=stdlib")
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
         eos = stop_ids(tokenizer, target.model)
@@ -125,10 +130,18 @@ def report_prompts(
     return prompts, "eval_data samples cut before their first loss token"
 
 
-def candidates(drafter: Eagle3Drafter, cfg: ReportConfig, log: Callable[[str], None] = print) -> list[Candidate]:
+def candidates(
+    drafter: Eagle3Drafter, cfg: ReportConfig, size=None, log: Callable[[str], None] = print
+) -> list[Candidate]:
+    """The report's proposers; ``size(make) -> k`` picks a chain length (None: chain_k)."""
     out = []
+
+    def chain_k(make) -> int:
+        return size(make) if size is not None and cfg.chain_from_cost_curve else cfg.chain_k
+
     if cfg.chain_k:
-        out.append(Candidate("eagle3", f"chain {cfg.chain_k}", lambda: Eagle3Proposer(drafter, k=cfg.chain_k)))
+        k = chain_k(lambda n: Eagle3Proposer(drafter, k=n))
+        out.append(Candidate("eagle3", f"chain {k}", lambda: Eagle3Proposer(drafter, k=k)))
     if cfg.tree_total_tokens:
         out.append(Candidate("eagle3", cfg.tree_name, lambda: Eagle3Proposer(drafter, tree=cfg.tree)))
     if cfg.draft_model:
@@ -139,9 +152,8 @@ def candidates(drafter: Eagle3Drafter, cfg: ReportConfig, log: Callable[[str], N
 
         draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=torch.float32).to(drafter.fc.weight.device)
         if cfg.chain_k:
-            out.append(
-                Candidate("draft model", f"chain {cfg.chain_k}", lambda: DraftModelProposer(draft, k=cfg.chain_k))
-            )
+            dk = chain_k(lambda n: DraftModelProposer(draft, k=n))
+            out.append(Candidate("draft model", f"chain {dk}", lambda: DraftModelProposer(draft, k=dk)))
         if cfg.tree_total_tokens:
             out.append(Candidate("draft model", cfg.tree_name, lambda: DraftModelProposer(draft, tree=cfg.tree)))
     return out
@@ -166,16 +178,26 @@ def run_report(
         f"report: {len(prompts)} prompts ({prompt_set}), up to {cfg.max_new_tokens} new tokens (stop at EOS), "
         f"T {cfg.temperatures}, bs {cfg.batch_sizes}"
     )
+    eos = stop_ids(tokenizer, target.model)
+    sizing = []
+
+    def size(make) -> int:
+        k, account = size_chain(target, make, [p.ids for p in prompts], cfg.chain_k, eos, log)
+        sizing.append(account)
+        return k
+
     rows = measure(
         target,
-        candidates(drafter, cfg, log),
+        candidates(drafter, cfg, size, log),
         prompts,
-        stop_ids(tokenizer, target.model),
+        eos,
         temperatures=tuple(cfg.temperatures),
         max_new_tokens=cfg.max_new_tokens,
         batch_sizes=tuple(cfg.batch_sizes),
         log=log,
     )
-    write_report(out_dir, "eagle3", str(target.name_or_path), rows, prompt_set=prompt_set, notes=notes)
+    if sizing:
+        notes = f"{notes} Chains sized on this machine: " + "; ".join(sizing) + "."
+    write_report(out_dir, "eagle3", str(target.name_or_path), rows, prompt_set=prompt_set, notes=notes.strip())
     log(f"report written to {out_dir}/report.md")
     return rows

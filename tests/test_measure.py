@@ -1,0 +1,110 @@
+"""The one timing loop (eval/measure.py): stops at EOS, counts, the greedy certificate, clear errors; the precision
+choice; the CLI's checkout warning."""
+
+import pytest
+import torch
+
+from eval.measure import Candidate, MeasuredPrompt, hf_generate, measure, write_report
+from infer.generate import generate_vanilla
+from infer.proposers import DraftModelProposer
+from infer.sampling import SamplingParams
+from train.optim import cpu_bf16_is_fast, mixed_precision
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 3, 17, 23]]
+
+
+def _stop_at(target, prompt, index):
+    """A token whose first occurrence in the greedy continuation of ``prompt`` is at ``index`` (or later)."""
+    ref = generate_vanilla(target, [prompt], SamplingParams(max_new_tokens=30)).tokens[0]
+    i = next(i for i in range(index, len(ref)) if ref[i] not in ref[:i])
+    return ref, ref[i], i
+
+
+def test_answers_stop_at_eos_and_no_token_after_it_is_counted(tiny_target, tiny_draft, tmp_path):
+    ref, eos, at = _stop_at(tiny_target, PROMPTS[0], 5)
+    cands = [
+        Candidate("draft model", "chain 3", lambda: DraftModelProposer(tiny_draft, k=3)),
+        Candidate("self-draft", "chain 4", lambda: DraftModelProposer(tiny_target.model, k=4)),
+    ]
+    rows = measure(tiny_target, cands, [MeasuredPrompt(PROMPTS[0], "a")], (eos,), max_new_tokens=30, log=lambda m: None)
+    assert {r["proposer"] for r in rows} == {"prompt lookup", "draft model", "self-draft"}
+    for r in rows:  # every method emitted exactly the answer up to and including EOS, nothing after
+        assert r["new_tokens"] == r["vanilla_new_tokens"] == at + 1
+        assert r["greedy_identical"] == 1.0 and r["divergences"] == []
+    self_draft = next(r for r in rows if r["proposer"] == "self-draft")
+    assert self_draft["tau"] > 2.0  # the target drafting for itself: every draft accepted until the stop
+    tokens, _ = hf_generate(tiny_target.model, PROMPTS[0], SamplingParams(max_new_tokens=30), (eos,))
+    assert tokens == ref[: at + 1]
+    write_report(tmp_path, "test", "tiny", rows, prompt_set="two prompts")
+    assert "two prompts" in (tmp_path / "report.md").read_text()
+
+
+def test_rows_per_category_and_the_greedy_certificate(tiny_target, tiny_draft, monkeypatch):
+    """Two categories give rows for each and for all. A candidate whose output departs from vanilla (simulated: its
+    4th token of the first prompt is replaced) is counted as not identical, and the divergence is located with the
+    target's top-2 logit gap there (far above a numerical tie for a random model)."""
+    import eval.measure
+
+    real = eval.measure.generate_speculative
+
+    def corrupted(target, proposer, prompts, params, eos_ids=(), spec=None):
+        res = real(target, proposer, prompts, params, eos_ids, spec=spec)
+        if prompts[0] == PROMPTS[0] and params.max_new_tokens > 4:
+            res.tokens[0][3] = (res.tokens[0][3] + 1) % 97
+        return res
+
+    monkeypatch.setattr(eval.measure, "generate_speculative", corrupted)
+    prompts = [MeasuredPrompt(PROMPTS[0], "a"), MeasuredPrompt(PROMPTS[1], "b")]
+    cands = [Candidate("draft model", "chain 4", lambda: DraftModelProposer(tiny_draft, k=4))]
+    rows = measure(tiny_target, cands, prompts, (), max_new_tokens=24, include_prompt_lookup=False, log=lambda m: None)
+    assert [r["category"] for r in rows] == ["all", "a", "b"]
+    total, a, b = rows
+    assert total["prompts"] == 2 and total["new_tokens"] == a["new_tokens"] + b["new_tokens"]
+    assert total["greedy_identical"] == 0.5 and a["greedy_identical"] == 0.0 and b["greedy_identical"] == 1.0
+    (d,) = a["divergences"]
+    assert d["position"] == 3 and d["top2_gap"] > 1e-3
+    assert b["divergences"] == [] and not total["lossy"]
+
+
+def test_an_empty_prompt_set_is_a_clear_error(tiny_target):
+    with pytest.raises(ValueError, match="prompt set is empty"):
+        measure(tiny_target, [], [], (2,))
+
+
+def test_precision_choice_for_each_kind_of_cpu():
+    """bf16 only where the CPU has native bf16 AND the timing shows it faster; never on a CPU without it."""
+    never = lambda dtype: pytest.fail("no timing without bf16 instructions")  # noqa: E731
+    assert not cpu_bf16_is_fast("fpu avx2 fma", timer=never)
+    fast = {torch.bfloat16: 0.001, torch.float32: 0.002}
+    slow = {torch.bfloat16: 0.2, torch.float32: 0.002}
+    assert cpu_bf16_is_fast("avx512f amx_bf16 amx_tile", timer=fast.get)
+    assert cpu_bf16_is_fast("avx512_bf16", timer=fast.get)
+    assert not cpu_bf16_is_fast("amx_bf16", timer=slow.get)
+    assert mixed_precision("fp32") == "no" and mixed_precision("bf16") == "bf16"
+
+
+def test_cli_warns_when_run_from_another_checkout(tmp_path):
+    from scripts.cli import ROOT, other_checkout
+
+    clone = tmp_path / "clone"
+    (clone / "train").mkdir(parents=True)
+    (clone / "pyproject.toml").write_text('[project]\nname = "drafters"\n')
+    assert other_checkout(clone / "train") == clone
+    assert other_checkout(ROOT) is None and other_checkout(ROOT / "train") is None
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "pyproject.toml").write_text('[project]\nname = "other"\n')
+    assert other_checkout(tmp_path / "elsewhere") is None
+
+
+def test_chain_length_from_the_cost_curve():
+    from eval.cost_curve import best_chain_length, expected_tokens
+
+    assert expected_tokens([0.5, 0.5, 0.5], 2) == 1 + 0.5 + 0.25
+    # flat verify cost: deeper always pays while acceptance is positive
+    k, _ = best_chain_length([0.8, 0.8, 0.8], 0.001, {n: 0.05 for n in range(1, 6)})
+    assert k == 3
+    # a step in the curve after 2 tokens (as on this CPU): one draft wins unless acceptance is high
+    curve = {1: 0.05, 2: 0.06, 3: 0.09, 4: 0.09, 5: 0.095}
+    k, rates = best_chain_length([0.5, 0.4, 0.3, 0.3], 0.002, curve)
+    assert k == 1 and rates[1] == pytest.approx(1.5 / 0.062)
+    assert best_chain_length([0.95, 0.95, 0.95, 0.95], 0.002, curve)[0] == 4

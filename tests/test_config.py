@@ -11,7 +11,10 @@ from models.config import ConfigError, load_config, parse_cli, save_config, to_d
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # recipes/<target>/<method>.yaml → the config class of that method's entry script
-METHOD_CONFIGS = {"eagle3": ("train.eagle3", "Eagle3RecipeConfig")}
+METHOD_CONFIGS = {
+    "eagle3": ("train.eagle3", "Eagle3RecipeConfig"),
+    "draft_model": ("train.draft_model", "DraftModelRecipe"),
+}
 
 
 @dataclass

@@ -172,3 +172,15 @@ def test_smollm2_loads_and_eagle3_is_greedy_identical_to_vanilla():
             out = generate_speculative(target, proposer, [prompt], params, (2,))
             assert out.tokens == ref.tokens
             assert 2 not in out.tokens[0][:-1]  # nothing after the end of the answer
+
+
+@pytest.mark.integration
+def test_quickstart_look_without_training(tmp_path, capsys):
+    """`drafters quickstart --skip-training` on the real target: a chat answer, then a table with greedy identity."""
+    from scripts.cli import main
+
+    main(["quickstart", "--skip-training", "--prompts", "1", "--max-new-tokens", "16", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "--- greedy answer ---" in printed and "prompt lookup (chain 10)" in printed
+    rows = json.loads((tmp_path / "report.json").read_text())["results"]
+    assert rows and all(r["greedy_identical"] == 1.0 and r["new_tokens"] <= 16 for r in rows)

@@ -34,8 +34,6 @@ from models.target import (
     tokenizer_fingerprint,
 )
 
-REFERENCE_TARGET = Path(__file__).resolve().parents[1] / "models" / "reference_target"
-
 VOCAB, HIDDEN, LAYERS = 96, 32, 4
 TINY = {
     "vocab_size": VOCAB,
@@ -263,20 +261,3 @@ def test_tokenizer_fingerprint_stable_and_discriminating(tmp_path: Path) -> None
     assert tokenizer_fingerprint(load_tokenizer(str(tmp_path))) == fp  # survives a save / load round trip
     assert tokenizer_fingerprint(tiny_tokenizer(["def", "return", "y"])) != fp
     assert tokenizer_fingerprint(tiny_tokenizer(["def", "return", "x"], eos="<pad>")) != fp
-
-
-# --- the shipped reference target -------------------------------------------------------------------------
-
-
-@pytest.mark.skipif(not REFERENCE_TARGET.exists(), reason="reference target not built yet (scripts/)")
-def test_reference_target_loads() -> None:
-    target = TargetModel.from_config(TargetConfig(name_or_path=str(REFERENCE_TARGET), device="cpu"))
-    tokenizer = load_tokenizer(str(REFERENCE_TARGET))
-    assert len(tokenizer.get_vocab()) <= target.vocab_size
-    assert len(tokenizer_fingerprint(tokenizer)) == 16
-    ids = torch.tensor([tokenizer("def main():\n    return 0\n")["input_ids"]])
-    out = target(ids)
-    n = len(target.aux_layer_ids)
-    assert out.logits.shape == (1, ids.shape[1], target.vocab_size)
-    assert out.aux_hidden.shape == (1, ids.shape[1], n * target.hidden_size)
-    assert torch.isfinite(out.logits.float()).all()

@@ -78,6 +78,9 @@ class BuildConfig:
     """Cap per answer; answers that hit it are kept and counted."""
     batch_size: int = 32
     """Rows per generate call."""
+    answer_limit: int = 0
+    """Answer only the first N training conversations (0 = all); the order is a seeded mix of the kinds, so a limit
+    keeps their proportions, and a later build with a higher limit (or 0) answers the rest."""
     seed: int = 0
 
 
@@ -299,6 +302,9 @@ def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=p
     requests = synthesize_requests(target, tokenizer, cfg, out_dir / "magpie_requests.jsonl", log)
     train_requests, heldout = split_heldout(requests, cfg.heldout_chat)
     convs = add_follow_ups(train_requests + code_tasks(cfg.code, cfg.seed), cfg.multi_turn, cfg.seed)
+    random.Random(cfg.seed + 13).shuffle(convs)
+    if cfg.answer_limit:
+        convs = convs[: cfg.answer_limit]
     # held-out requests answered too: held-out data for the simulated τ and vocabulary coverage, never trained on
     answer_conversations(target, tokenizer, heldout, cfg, out_dir / "answers_heldout.jsonl", log)
     counts = answer_conversations(target, tokenizer, convs, cfg, out_dir / "answers.jsonl", log)

@@ -1,6 +1,6 @@
 """The "small draft model" baseline: the target's first layers plus its own norm and head, distilled briefly.
 
-    python train/draft_model.py --config recipes/smollm2-135m/draft-model.yaml [key=value ...]
+    python train/draft_model.py --config recipes/smollm2-135m/draft_model.yaml [key=value ...]
 
 Why this model: hubs are out of reach here and no smaller model shares SmolLM2's tokenizer, so the draft is cut from
 the target itself (as layer-skipping self-speculation does): embedding, decoder layers 0..K-1, final norm and the

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from eval.cost_curve import size_chain
-from eval.measure import Candidate, MeasuredPrompt, measure, stop_ids, write_report
+from eval.measure import Candidate, MeasuredPrompt, measure, prepare_target, stop_ids, write_report
 from eval.prompts import CATEGORIES, builtin_prompts, encode_turns, load_prompt_file
 from infer.eagle3_proposer import Eagle3Proposer
 from infer.generate import generate_vanilla
@@ -179,6 +179,7 @@ def run_report(
         f"T {cfg.temperatures}, bs {cfg.batch_sizes}"
     )
     eos = stop_ids(tokenizer, target.model)
+    prepare_target(target, log)  # before sizing: the cost curve must see the kernels the measurement uses
     sizing = []
 
     def size(make) -> int:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,12 +41,47 @@ DTYPES: dict[str, torch.dtype | str] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "auto": "auto",  # whatever the checkpoint's config says (HF `dtype="auto"`)
+    "fastest": "fastest",  # bf16 on CUDA and on CPUs where bf16 measures faster, else float32 (cpu_bf16_is_fast)
 }
 DEVICES = ("cpu", "cuda", "auto")
 MODES = ("frozen", "joint")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 # Attention and MLP projections of Llama / Qwen2 / Qwen3 / Mistral decoder layers.
 DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# --------------------------------------------------------------------------------------------------
+# Precision
+# --------------------------------------------------------------------------------------------------
+
+
+def cpu_bf16_is_fast(cpu_flags: str | None = None, timer=None) -> bool:
+    """Whether bf16 matmuls beat fp32 on this CPU, by measurement (DESIGN.md §7: never assume).
+
+    CPUs without native bf16 instructions (no ``avx512_bf16`` / ``amx_bf16`` in /proc/cpuinfo) emulate it ~100x
+    slower, so they are ruled out without timing. Otherwise a 512² matmul is timed in both dtypes (~10 ms) and bf16
+    must be at least 1.25x faster. ``cpu_flags`` and ``timer(dtype) -> seconds`` replace the machine in tests.
+    """
+    if cpu_flags is None:
+        try:
+            cpu_flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    if "avx512_bf16" not in cpu_flags and "amx_bf16" not in cpu_flags:
+        return False
+    timer = timer or _matmul_seconds
+    return timer(torch.bfloat16) * 1.25 <= timer(torch.float32)
+
+
+def _matmul_seconds(dtype: torch.dtype, n: int = 512, reps: int = 5) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b  # first call: one-off kernel selection
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,7 +153,8 @@ class TargetConfig:
     "smollm2-135m-instruct", built into a cache folder on first use)."""
 
     dtype: str = "auto"
-    """Weight dtype: "float32", "bfloat16", "float16", or "auto" (the dtype recorded in the checkpoint)."""
+    """Weight dtype: "float32", "bfloat16", "float16", "auto" (the dtype recorded in the checkpoint), or "fastest"
+    (bf16 on CUDA and on CPUs where a bf16 matmul measures faster than fp32 at start-up, else float32)."""
 
     device: str = "auto"
     """"cpu", "cuda", or "auto" (cuda when available, else cpu)."""
@@ -293,9 +331,12 @@ class TargetModel(nn.Module):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("TargetConfig.device='cuda' but CUDA is not available on this machine")
+        dtype = DTYPES[cfg.dtype]
+        if dtype == "fastest":
+            dtype = torch.bfloat16 if device == "cuda" or cpu_bf16_is_fast() else torch.float32
         model = AutoModelForCausalLM.from_pretrained(
             resolve_target(cfg.name_or_path),
-            dtype=DTYPES[cfg.dtype],
+            dtype=dtype,
             trust_remote_code=cfg.trust_remote_code,
             attn_implementation=cfg.attn_implementation,
         )

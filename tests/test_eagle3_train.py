@@ -7,8 +7,8 @@ the real entry script, in-process for one rank and through torchrun / accelerate
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -190,7 +190,9 @@ def test_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp_path, 
     out = tmp_path / "run"
     recipe.main(recipe_args(tiny_recipe, out, "train.max_steps=4"))
     printed = capsys.readouterr().out
-    assert re.search(r"draft vocabulary: 128 of \d+ ids cover [\d.]+% of the training targets and [\d.]+% of the held-out", printed)
+    assert re.search(
+        r"draft vocabulary: 128 of \d+ ids cover [\d.]+% of the training targets and [\d.]+% of the held-out", printed
+    )
     assert re.search(r"measure: \d+ prompts x \d+ generate calls .* at most ~\d+ min", printed)  # said before it runs
     for name in (
         "config.json",

@@ -8,7 +8,8 @@ from eval.measure import Candidate, MeasuredPrompt, hf_generate, measure, write_
 from infer.generate import generate_vanilla
 from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
-from train.optim import cpu_bf16_is_fast, mixed_precision
+from models.target import cpu_bf16_is_fast
+from train.optim import mixed_precision
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 3, 17, 23]]
 
@@ -108,3 +109,15 @@ def test_chain_length_from_the_cost_curve():
     k, rates = best_chain_length([0.5, 0.4, 0.3, 0.3], 0.002, curve)
     assert k == 1 and rates[1] == pytest.approx(1.5 / 0.062)
     assert best_chain_length([0.95, 0.95, 0.95, 0.95], 0.002, curve)[0] == 4
+
+
+def test_target_dtype_fastest_follows_the_measurement(tmp_path, monkeypatch):
+    import models.target
+    from models.target import TargetConfig, TargetModel
+    from tests.conftest import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path)
+    for fast, want in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(models.target, "cpu_bf16_is_fast", lambda fast=fast: fast)
+        target = TargetModel.from_config(TargetConfig(name_or_path=str(tmp_path), dtype="fastest", device="cpu"))
+        assert target.dtype == want

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import time
-from pathlib import Path
 
 import torch
 from torch import nn
+
+from models.target import cpu_bf16_is_fast
 
 
 def adamw(
@@ -32,35 +32,6 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int, peak_lr: float
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def cpu_bf16_is_fast(cpu_flags: str | None = None, timer=None) -> bool:
-    """Whether bf16 matmuls beat fp32 on this CPU, by measurement (DESIGN.md §7: never assume).
-
-    CPUs without native bf16 instructions (no ``avx512_bf16`` / ``amx_bf16`` in /proc/cpuinfo) emulate it ~100x
-    slower, so they are ruled out without timing. Otherwise a 512² matmul is timed in both dtypes (~10 ms) and bf16
-    must be at least 1.25x faster. ``cpu_flags`` and ``timer(dtype) -> seconds`` replace the machine in tests.
-    """
-    if cpu_flags is None:
-        try:
-            cpu_flags = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    if "avx512_bf16" not in cpu_flags and "amx_bf16" not in cpu_flags:
-        return False
-    timer = timer or _matmul_seconds
-    return timer(torch.bfloat16) * 1.25 <= timer(torch.float32)
-
-
-def _matmul_seconds(dtype: torch.dtype, n: int = 512, reps: int = 5) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b  # first call: one-off kernel selection
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def mixed_precision(choice: str) -> str:

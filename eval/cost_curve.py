@@ -28,7 +28,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from eval.stdlib_corpus import heldout_prompts
-from infer.generate import DecodeState, Proposer, generate_speculative, prefill, verify_tree
+from infer.generate import DecodeState, generate_speculative, prefill, verify_tree
+from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
 from infer.tree import chain
 from models.target import TargetConfig, TargetModel, load_tokenizer
@@ -81,7 +82,7 @@ def size_chain(
     alpha = [a / t if t else 0.0 for a, t in zip(acc, att)]
     draft_step = sum(s.draft_s for s in stats) / rounds / max_k
     overhead = sum(s.bookkeeping_s for s in stats) / rounds
-    curve = verify_costs(target, prompts[0], tuple(range(1, max_k + 2)), reps=5, aux=make(1).needs_features)
+    curve = verify_costs(target, prompts[0], tuple(range(1, max_k + 2)), reps=5, aux=make(1).signal is TargetSignal.AUX)
     k, rates = best_chain_length(alpha, draft_step, curve, overhead)
     account = (
         f"chain length {k} of 1..{max_k} (pilot α {' '.join(f'{a:.2f}' for a in alpha)}, draft step "

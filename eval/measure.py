@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from eval.lossless import TIE_GAP, compare_greedy
-from infer.generate import GenerationStats, Proposer, SpecConfig, generate_speculative, generate_vanilla
+from infer.generate import GenerationStats, SpecConfig, generate_speculative, generate_vanilla
 from infer.kernels.cpu_linear import install as install_cpu_linear
+from infer.proposer import Proposer
 from infer.proposers import PromptLookupProposer
 from infer.sampling import SamplingParams
 from models.target import TargetModel
@@ -208,69 +209,53 @@ def measure(
                 n_prompts = sum(len(b) for b in batches if cat in ("all", b[0].category))
                 # one vanilla step (a target forward over one token per row), the t_target(1) of DESIGN.md §4
                 vanilla_step = sum(s.verify_s for s in v["stats"]) / max(1, sum(s.rounds for s in v["stats"]))
-                for c in candidates:
-                    m = acc[c.proposer + c.setting].merged(cat)
-                    merged = GenerationStats(
-                        new_tokens=sum(s.new_tokens for s in m["stats"]),
-                        row_forwards=sum(s.row_forwards for s in m["stats"]),
-                        rounds=sum(s.rounds for s in m["stats"]),
-                        draft_s=sum(s.draft_s for s in m["stats"]),
-                        verify_s=sum(s.verify_s for s in m["stats"]),
-                        bookkeeping_s=sum(s.bookkeeping_s for s in m["stats"]),
-                    )
-                    row = {
-                        "proposer": c.proposer,
-                        "setting": c.setting,
-                        "category": cat,
-                        "temperature": temp,
-                        "batch_size": bs,
-                        "tau": merged.tau,
-                        "new_tokens": m["tokens"],
-                        "vanilla_new_tokens": v["tokens"],
-                        "speedup": (m["tokens"] / m["s"]) / base,
-                        "tokens_per_s": m["tokens"] / m["s"],
-                        "vanilla_tokens_per_s": base,
-                        "our_vanilla_tokens_per_s": vanilla_tps,
-                        "hf_generate_tokens_per_s": hf_tps,
-                        "vanilla_mean_answer_tokens": v["tokens"] / n_prompts,
-                        "alpha": alpha_of(m["stats"]),
-                        "predicted_speedup": merged.predicted_speedup(vanilla_step),
-                        "step_ms": {k: 1e3 * x for k, x in merged.step_costs().items()}
-                        | {"vanilla": 1e3 * vanilla_step},
-                        "greedy_identical": m["same"] / m["compared"] if m["compared"] else None,
-                        "divergences": m["div"],
-                        "prompts": n_prompts,
-                        "max_new_tokens": max_new_tokens,
-                        "lossy": bool(c.spec and c.spec.accept == "typical"),
-                    }
-                    rows.append(row)
-                    _log_row(log, row)
-                for name, tally in assisted.items():
+                common = {
+                    "category": cat,
+                    "temperature": temp,
+                    "batch_size": bs,
+                    "vanilla_new_tokens": v["tokens"],
+                    "vanilla_tokens_per_s": base,
+                    "our_vanilla_tokens_per_s": vanilla_tps,
+                    "hf_generate_tokens_per_s": hf_tps,
+                    "vanilla_mean_answer_tokens": v["tokens"] / n_prompts,
+                    "prompts": n_prompts,
+                    "max_new_tokens": max_new_tokens,
+                }
+                named = [(c.proposer, c.setting, acc[c.proposer + c.setting], c) for c in candidates]
+                named += [(name, "HF generate", tally, None) for name, tally in assisted.items()]
+                for proposer, setting, tally, c in named:
                     m = tally.merged(cat)
                     row = {
-                        "proposer": name,
-                        "setting": "HF generate",
-                        "category": cat,
-                        "temperature": temp,
-                        "batch_size": bs,
-                        "tau": None,
+                        "proposer": proposer,
+                        "setting": setting,
+                        **common,
                         "new_tokens": m["tokens"],
-                        "vanilla_new_tokens": v["tokens"],
-                        "speedup": (m["tokens"] / m["s"]) / base,
                         "tokens_per_s": m["tokens"] / m["s"],
-                        "vanilla_tokens_per_s": base,
-                        "our_vanilla_tokens_per_s": vanilla_tps,
-                        "hf_generate_tokens_per_s": hf_tps,
-                        "vanilla_mean_answer_tokens": v["tokens"] / n_prompts,
+                        "speedup": (m["tokens"] / m["s"]) / base,
+                        "greedy_identical": m["same"] / m["compared"] if m["compared"] else None,
+                        "divergences": m["div"],
+                        "lossy": bool(c and c.spec and c.spec.accept == "typical"),
+                        # HF's assisted generation reports no rounds: no τ, α or step costs for those rows
+                        "tau": None,
                         "alpha": [],
                         "predicted_speedup": None,
                         "step_ms": None,
-                        "greedy_identical": m["same"] / m["compared"] if m["compared"] else None,
-                        "divergences": [],
-                        "prompts": n_prompts,
-                        "max_new_tokens": max_new_tokens,
-                        "lossy": False,
                     }
+                    if m["stats"]:
+                        merged = GenerationStats(
+                            new_tokens=sum(s.new_tokens for s in m["stats"]),
+                            row_forwards=sum(s.row_forwards for s in m["stats"]),
+                            rounds=sum(s.rounds for s in m["stats"]),
+                            draft_s=sum(s.draft_s for s in m["stats"]),
+                            verify_s=sum(s.verify_s for s in m["stats"]),
+                            bookkeeping_s=sum(s.bookkeeping_s for s in m["stats"]),
+                        )
+                        row["tau"] = merged.tau
+                        row["alpha"] = alpha_of(m["stats"])
+                        row["predicted_speedup"] = merged.predicted_speedup(vanilla_step)
+                        row["step_ms"] = {k: 1e3 * x for k, x in merged.step_costs().items()} | {
+                            "vanilla": 1e3 * vanilla_step
+                        }
                     rows.append(row)
                     _log_row(log, row)
     return rows

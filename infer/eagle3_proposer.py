@@ -1,6 +1,6 @@
 """EAGLE-3 proposer: chains and EAGLE-2 dynamic (or static) trees from an `Eagle3Drafter`, fed with target features.
 
-Feature contract (``infer/generate.py``): ``observe`` receives the target's aux features of the tokens that entered
+Feature contract (``infer/proposer.py``): ``observe`` receives the target's aux features of the tokens that entered
 the target's cache — after prefill those of ``context[:-1]``, after every verify round those of the root and the
 accepted nodes. Feature i belongs to context token i. EAGLE-3 pairs ``(fc(f_i), embed(x_{i+1}))`` to predict
 ``x_{i+2}``, so every pair needs the token after its feature, which the context holds by the next ``propose``.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.generate import Proposer
+from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
 from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
@@ -36,7 +36,7 @@ class Eagle3Proposer(Proposer):
     from the drafter's warped distribution and verified with it (lossless rejection sampling).
     """
 
-    needs_features = True
+    signal = TargetSignal.AUX
 
     def __init__(
         self,

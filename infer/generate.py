@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from infer.accept import AcceptResult, accept_typical
 from infer.kernels import compact_kv, verify_greedy, verify_rejection
+from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, target_probs, warp_logits
 from infer.tree import DraftTree
 from models.target import TargetModel
@@ -192,6 +193,7 @@ def prefill(target: TargetModel, state: DecodeState, capture_aux: bool = False):
         past_key_values=state.cache,
         use_cache=True,
         capture_aux=capture_aux,
+        logits_to_keep=1,  # nothing reads prefill logits: the root's come with the first verify
     )
     state.kv_valid = valid
     return out
@@ -218,8 +220,10 @@ def _vanilla_single(target: TargetModel, prompt: list[int], params: SamplingPara
     t0 = time.perf_counter()
     gen = _seeded_generator(params, target.device)
     model, cache = target.model, DynamicCache()
-    if len(prompt) > 1:
-        model(input_ids=torch.tensor([prompt[:-1]], device=target.device), cache=cache, use_cache=True)
+    if len(prompt) > 1:  # logits of the prompt are never read (HF generate skips them too)
+        model(
+            input_ids=torch.tensor([prompt[:-1]], device=target.device), cache=cache, use_cache=True, logits_to_keep=1
+        )
     x = torch.tensor([[prompt[-1]]], device=target.device)
     stats.prefill_s = time.perf_counter() - t0
     out: list[int] = []
@@ -282,30 +286,6 @@ def generate_vanilla(
 
 
 # ------------------------------------------------------------------------------------- speculative
-class Proposer:
-    """Turns the runtime state into a draft tree. Subclasses: prompt lookup, draft model, drafters.
-
-    ``propose`` sees each active row's context (prompt + emitted tokens; the last one is the root)
-    and the draft's sampling needs. Proposers that read target features (EAGLE-3, MTP, Medusa) set
-    ``needs_features`` and receive, after every target forward, the features of the tokens that
-    entered the cache through ``observe``.
-    """
-
-    needs_features: bool = False
-
-    def begin(self, contexts: list[list[int]]) -> None:
-        """A new generate call starts with these rows."""
-
-    def propose(self, contexts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> DraftTree:
-        raise NotImplementedError  # every concrete proposer defines it
-
-    def observe(self, features: torch.Tensor, new_lengths: torch.Tensor) -> None:
-        """Target features [B, L, F] of the tokens just written to the cache (row b: first new_lengths[b])."""
-
-    def drop_rows(self, keep: torch.Tensor) -> None:
-        """Rows not in ``keep`` (batch indices) have finished."""
-
-
 @dataclass
 class SpecConfig:
     accept: str = "auto"
@@ -318,7 +298,7 @@ class SpecConfig:
             raise ValueError(f"accept must be 'auto' or 'typical', got {self.accept!r}")
 
 
-def verify_tree(target: TargetModel, state: DecodeState, tree: DraftTree, capture_aux: bool):
+def verify_tree(target: TargetModel, state: DecodeState, tree: DraftTree, capture_aux: bool = False):
     """One target forward over every row's tree: 4D ancestor mask, positions = root position + depth."""
     B, n = tree.tokens.shape
     anc = tree.ancestor_mask() & (tree.valid[:, None, :] | torch.eye(n, dtype=torch.bool, device=tree.tokens.device))
@@ -372,12 +352,15 @@ def generate_speculative(
     state = DecodeState(prompts, params, eos_ids, target.device)
     gen = _seeded_generator(params, target.device)
     proposer.begin([list(c) for c in state.contexts])
-    out = prefill(target, state, capture_aux=proposer.needs_features)
-    if proposer.needs_features and out is not None:
-        # prefill is left-padded; observe() takes each row's features from index 0
+    signal = proposer.signal
+    aux = signal is TargetSignal.AUX  # the other signals come with every forward (final-norm hook)
+    out = prefill(target, state, capture_aux=aux)
+    if signal is not TargetSignal.NONE and out is not None:
+        # prefill is left-padded; observe() takes each row's signal from index 0
         lengths, width = state.lengths, state.kv_valid.shape[1]
         idx = (width - lengths[:, None] + torch.arange(width, device=lengths.device)[None]).clamp(max=width - 1)
-        proposer.observe(out.aux_hidden.gather(1, idx[..., None].expand(-1, -1, out.aux_hidden.shape[-1])), lengths)
+        feats = signal.of(out)
+        proposer.observe(feats.gather(1, idx[..., None].expand(-1, -1, feats.shape[-1])), lengths)
     stats.prefill_s = time.perf_counter() - t0
 
     while state.active:
@@ -386,7 +369,7 @@ def generate_speculative(
         stats.draft_s += time.perf_counter() - td
 
         tv = time.perf_counter()
-        out = verify_tree(target, state, tree, capture_aux=proposer.needs_features)
+        out = verify_tree(target, state, tree, capture_aux=aux)
         stats.verify_s += time.perf_counter() - tv
 
         tb = time.perf_counter()
@@ -411,10 +394,10 @@ def generate_speculative(
                 torch.rand(B, n, generator=gen, device=gen.device),
             )
         lengths = keep_accepted(state, result, n)
-        if proposer.needs_features:
+        if signal is not TargetSignal.NONE:
             idx = result.path[:, : int(lengths.max())].clamp(min=0)
-            feats = out.aux_hidden.gather(1, idx[..., None].expand(-1, -1, out.aux_hidden.shape[-1]))
-            proposer.observe(feats, lengths)
+            feats = signal.of(out)
+            proposer.observe(feats.gather(1, idx[..., None].expand(-1, -1, feats.shape[-1])), lengths)
 
         depth = int(tree.depths().masked_fill(~tree.valid, 0).max())
         finished = []

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from infer.generate import Proposer, _additive_mask
+from infer.generate import _additive_mask
+from infer.proposer import Proposer
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
 from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
@@ -127,20 +128,29 @@ class DraftModelProposer(Proposer):
         self.cached = [self.cached[i] for i in keep.tolist()]
 
     def _forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, new_allowed: torch.Tensor, new_valid: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        new_allowed: torch.Tensor,
+        new_valid: torch.Tensor,
+        read_at: torch.Tensor | None = None,
     ):
-        """Append [B, m] tokens; ``new_allowed[b, i, j]``: token i may see new token j. Returns logits."""
+        """Append [B, m] tokens; ``new_allowed[b, i, j]``: token i may see new token j. Returns logits [B, m, V], or
+        [B, V] at position ``read_at[b]`` of each row (the head then runs on those positions only: a 49k-wide head
+        over a whole prompt would cost more than the rest of the draft model)."""
         B, m = tokens.shape
         allowed = torch.cat([self.kv_valid[:, None, :].expand(B, m, -1), new_allowed], 2)
-        logits = self.model(
+        hidden = self.model.get_decoder()(
             input_ids=tokens,
             attention_mask=_additive_mask(allowed, self.dtype),
             position_ids=positions,
             cache=self.cache,
             use_cache=True,
-        ).logits
+        ).last_hidden_state
         self.kv_valid = torch.cat([self.kv_valid, new_valid], 1)
-        return logits
+        if read_at is not None:
+            hidden = hidden[torch.arange(B, device=hidden.device), read_at]
+        return self.model.get_output_embeddings()(hidden)
 
     def _sync(self, contexts: list[list[int]]) -> torch.Tensor:
         """Feed each row's uncached context tokens (root included); returns root logits [B, V]."""
@@ -161,13 +171,13 @@ class DraftModelProposer(Proposer):
         positions = start[:, None] + torch.arange(m, device=self.device)[None]
         causal = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()
         allowed = (causal[None] & valid[:, None, :]) | torch.eye(m, dtype=torch.bool, device=self.device)[None]
-        logits = self._forward(tokens, positions, allowed, valid)
         last = valid.sum(1) - 1
+        root_logits = self._forward(tokens, positions, allowed, valid, read_at=last)
         for b, f in enumerate(feed):
             self.cached[b] = self.cached[b] + f
         self._draft_pos = start + valid.sum(1)  # position of the root's children
         self._proposal_start = self.kv_valid.shape[1]
-        return logits[torch.arange(B, device=self.device), last]
+        return root_logits
 
     def _close_draft_slots(self) -> None:
         self.kv_valid[:, self._proposal_start :] = False

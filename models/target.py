@@ -231,7 +231,7 @@ class TargetOutput:
     """One target forward. Shapes: B batch, T tokens, H hidden size, V vocab, A = len(aux_layer_ids)."""
 
     logits: torch.Tensor
-    """[B, T, V] next-token logits, identical to the plain HF forward."""
+    """[B, T, V] next-token logits, identical to the plain HF forward ([B, n, V] with logits_to_keep = n)."""
 
     last_hidden: torch.Tensor
     """[B, T, H] final-norm OUTPUT (= HF ``hidden_states[-1]`` / ``last_hidden_state``; what lm_head reads)."""
@@ -424,8 +424,12 @@ class TargetModel(nn.Module):
         past_key_values: Cache | None = None,
         use_cache: bool = False,
         capture_aux: bool = True,
+        logits_to_keep: int = 0,
     ) -> TargetOutput:
-        """One HF forward; `attention_mask` may be a 2D padding mask or a 4D additive (tree) mask."""
+        """One HF forward; `attention_mask` may be a 2D padding mask or a 4D additive (tree) mask.
+
+        ``logits_to_keep`` = n > 0: logits of the last n positions only (prefill needs none of the others; the
+        head costs V·H per position, 28 M multiply-adds for SmolLM2). Hidden states and taps are always complete."""
         layers, norm = _find_decoder_parts(self.hf_model)
         captured: dict[int, torch.Tensor] = {}
         final: dict[str, torch.Tensor] = {}
@@ -453,6 +457,7 @@ class TargetModel(nn.Module):
                 position_ids=position_ids,
                 cache=past_key_values,
                 use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
             )
         finally:
             for h in handles:

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from infer.generate import Proposer, SpecConfig, generate_speculative, generate_vanilla
+from infer.generate import SpecConfig, generate_speculative, generate_vanilla
+from infer.proposer import Proposer
 from infer.proposers import DraftModelProposer, PromptLookupProposer
 from infer.sampling import SamplingParams
 from infer.tree import DraftTree, chain

@@ -27,8 +27,12 @@ def test_answers_stop_at_eos_and_no_token_after_it_is_counted(tiny_target, tiny_
         Candidate("draft model", "chain 3", lambda: DraftModelProposer(tiny_draft, k=3)),
         Candidate("self-draft", "chain 4", lambda: DraftModelProposer(tiny_target.model, k=4)),
     ]
-    rows = measure(tiny_target, cands, [MeasuredPrompt(PROMPTS[0], "a")], (eos,), max_new_tokens=30, log=lambda m: None)
-    assert {r["proposer"] for r in rows} == {"prompt lookup", "draft model", "self-draft"}
+    hf = {"HF prompt lookup": dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=2)}
+    rows = measure(
+        tiny_target, cands, [MeasuredPrompt(PROMPTS[0], "a")], (eos,), max_new_tokens=30, hf_assisted=hf, log=print
+    )
+    assert {r["proposer"] for r in rows} == {"prompt lookup", "draft model", "self-draft", "HF prompt lookup"}
+    assert next(r for r in rows if r["proposer"] == "HF prompt lookup")["tau"] is None  # HF reports no rounds
     for r in rows:  # every method emitted exactly the answer up to and including EOS, nothing after
         assert r["new_tokens"] == r["vanilla_new_tokens"] == at + 1
         assert r["greedy_identical"] == 1.0 and r["divergences"] == []

@@ -58,7 +58,7 @@ def quickstart(argv: list[str]) -> None:
     ap.add_argument("--skip-training", action="store_true", help="no short training run (a one-minute look)")
     ap.add_argument("--prompts", type=int, default=4, help="held-out chat prompts to measure")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--train-samples", type=int, default=160, help="conversations of the short training run")
+    ap.add_argument("--train-samples", type=int, default=64, help="conversations of the short training run")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "quickstart")
     args = ap.parse_args(argv)
 

@@ -11,29 +11,38 @@ from infer.sampling import SamplingParams
 def test_both_layouts_agree_and_routing_follows_the_measured_choice():
     torch.manual_seed(0)
     lin = torch.nn.Linear(48, 80, bias=True)
-    for rows in (1, 3, 8, 16, 40):
-        x = torch.randn(2, rows, 48) if rows % 2 == 0 else torch.randn(rows, 48)
-        with torch.no_grad():
-            routed = cpu_linear.small_rows_linear(lin, x, (True,) * len(cpu_linear.BUCKETS))
-            plain = torch.nn.functional.linear(x, lin.weight, lin.bias)
-        assert routed.shape == plain.shape
-        torch.testing.assert_close(routed, plain, rtol=1e-5, atol=1e-6)
+    for layout in cpu_linear.LAYOUTS:
+        for rows in (1, 3, 8, 16, 40):
+            x = torch.randn(2, rows, 48) if rows % 2 == 0 else torch.randn(rows, 48)
+            with torch.no_grad():
+                routed = cpu_linear.small_rows_linear(lin, x, (layout,) * len(cpu_linear.BUCKETS))
+                plain = torch.nn.functional.linear(x, lin.weight, lin.bias)
+            assert routed.shape == plain.shape
+            torch.testing.assert_close(routed, plain, rtol=1e-5, atol=1e-6)
+    # the transposed copy follows in-place weight updates (a target trained between two reports)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)
+        x = torch.randn(2, 48)
+        torch.testing.assert_close(
+            cpu_linear.small_rows_linear(lin, x, ("x_wt",) * 5), torch.nn.functional.linear(x, lin.weight, lin.bias)
+        )
     # with grad enabled the plain path runs (training is never rerouted): gradients flow as usual
     x = torch.randn(3, 48, requires_grad=True)
-    cpu_linear.small_rows_linear(lin, x, (True,) * len(cpu_linear.BUCKETS)).sum().backward()
+    cpu_linear.small_rows_linear(lin, x, ("w_x",) * len(cpu_linear.BUCKETS)).sum().backward()
     assert x.grad is not None and lin.weight.grad is not None
 
 
 def test_install_measures_once_and_keeps_greedy_decoding_identical(tiny_target, tiny_draft, monkeypatch):
-    """Forced routing (as if W @ xT were measured faster everywhere): vanilla and speculative greedy outputs are the
+    """Forced routing (as if the other layouts were measured faster): vanilla and speculative greedy outputs are the
     same tokens as before; a second install does not time again."""
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     params = SamplingParams(max_new_tokens=20)
     cpu_linear.uninstall(tiny_target.model)  # a measure() in an earlier test may have installed its own choice
     before = generate_vanilla(tiny_target, [prompt], params).tokens
-    monkeypatch.setattr(cpu_linear, "choose_layouts", lambda w, reps=5: (True,) * len(cpu_linear.BUCKETS))
+    forced = ("x_wt", "w_x", "w_x", "linear", "w_x")
+    monkeypatch.setattr(cpu_linear, "choose_layouts", lambda w, reps=5: forced)
     choices = cpu_linear.install(tiny_target.model, log=lambda m: None)
-    assert choices and all(all(c) for c in choices.values())
+    assert choices and all(c == forced for c in choices.values())
     monkeypatch.setattr(cpu_linear, "choose_layouts", lambda w, reps=5: (_ for _ in ()).throw(AssertionError))
     assert cpu_linear.install(tiny_target.model, log=lambda m: None) is choices
     try:

@@ -1,14 +1,16 @@
 """Small-row linear layers on the CPU, with the faster of two fp32 matmul layouts chosen by measurement.
 
 Decode and verification multiply a few rows (1 token, or a draft tree of 2–16) by every weight matrix of the target.
-On this project's CPU (AMD EPYC, AVX2, 2 threads, MKL) ``F.linear`` with 2–4 rows cost ~2x one row, because one row
-takes a bandwidth-bound gemv and several rows a gemm that reads the weight less efficiently; ``W @ xᵀ`` (the same
-products, weight as the left operand) cost ~0.7x of that at 2–4 rows, and for the 49k-row head even at one row
-(docs/decisions.md). Other CPUs differ, so `install` times both layouts for every weight shape of the model and
-every row-count bucket, then routes each inference call (no grad) to the winner; training calls stay on F.linear.
+On this project's CPU (AMD EPYC, AVX2, 2 threads, MKL) ``F.linear`` with 2–4 rows cost ~2x one row (one row takes a
+bandwidth-bound gemv, several rows a gemm that reads the weight less efficiently). Measured on SmolLM2's 49,152 x 576
+head: F.linear 9.1 ms at 1 row and 19.2–19.7 ms at 2–4 rows; ``x @ Wᵀ`` with Wᵀ contiguous 4.9 ms at 1 row;
+``W @ xᵀ`` 5.1–5.2 ms at 2–4 rows; the 576-wide layer matrices gain 20–45 % at 2–4 rows the same way. Other CPUs
+differ, so `install` times the three layouts for every weight shape of the model and row-count bucket, then routes
+each inference call (no grad) to the winner; training calls stay on F.linear.
 
-Both layouts compute the same dot products; only the summation order inside MKL differs (~1e-7 relative), which is
-the rounding-level difference DESIGN.md §7 already allows between vanilla decoding and tree verification.
+All layouts compute the same dot products; only the summation order inside MKL differs (~1e-7 relative), which is
+the rounding-level difference DESIGN.md §7 already allows between vanilla decoding and tree verification. Vanilla
+decoding and HF generate run through the same routed modules, so the baseline gains as much as it can.
 """
 
 from __future__ import annotations
@@ -34,39 +36,58 @@ def _best_seconds(fn, reps: int) -> float:
     return best
 
 
+LAYOUTS = ("linear", "w_x", "x_wt")
+"""``F.linear(x, W)``; ``(W @ xᵀ)ᵀ``; ``x @ Wᵀ`` with Wᵀ kept contiguous (a transposed copy of W, made once)."""
+
+
 @torch.inference_mode()
-def choose_layouts(weight: torch.Tensor, reps: int = 5) -> tuple[bool, ...]:
-    """Per bucket: True when ``W @ xᵀ`` beat ``F.linear`` by more than 5 % for that many rows (fp32, CPU)."""
+def choose_layouts(weight: torch.Tensor, reps: int = 5) -> tuple[str, ...]:
+    """Per bucket, the fastest layout for that many rows (another layout must beat F.linear by 5 %)."""
+    wt = weight.t().contiguous()
     out = []
     for m in BUCKETS:
         x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
-        linear = _best_seconds(lambda x=x: F.linear(x, weight), reps)
-        left = _best_seconds(lambda x=x: torch.mm(weight, x.t()), reps)
-        out.append(left < 0.95 * linear)
+        times = {
+            "linear": _best_seconds(lambda x=x: F.linear(x, weight), reps),
+            "w_x": _best_seconds(lambda x=x: torch.mm(weight, x.t()), reps),
+            "x_wt": _best_seconds(lambda x=x: torch.mm(x, wt), reps),
+        }
+        best = min(times, key=times.get)
+        out.append(best if times[best] < 0.95 * times["linear"] else "linear")
     return tuple(out)
 
 
-def small_rows_linear(module: nn.Linear, x: torch.Tensor, use_left: tuple[bool, ...]) -> torch.Tensor:
-    """``module(x)`` with the layout measured faster for x's row count (inference only)."""
+def _transposed(module: nn.Linear) -> torch.Tensor:
+    """Wᵀ contiguous, rebuilt whenever the weight changed in place (its version counter moved)."""
+    cached = module.__dict__.get("_drafters_wt")
+    if cached is None or cached[0] != module.weight._version:
+        cached = (module.weight._version, module.weight.detach().t().contiguous())
+        module.__dict__["_drafters_wt"] = cached
+    return cached[1]
+
+
+def small_rows_linear(module: nn.Linear, x: torch.Tensor, layouts: tuple[str, ...]) -> torch.Tensor:
+    """``module(x)`` with the layout measured fastest for x's row count (inference only)."""
     rows = x.numel() // x.shape[-1]
     if torch.is_grad_enabled() or rows > BUCKETS[-1]:
         return F.linear(x, module.weight, module.bias)
-    bucket = next(i for i, b in enumerate(BUCKETS) if rows <= b)
-    if not use_left[bucket]:
+    layout = layouts[next(i for i, b in enumerate(BUCKETS) if rows <= b)]
+    if layout == "linear":
         return F.linear(x, module.weight, module.bias)
-    y = torch.mm(module.weight, x.reshape(rows, x.shape[-1]).t()).t()
+    flat = x.reshape(rows, x.shape[-1])
+    y = torch.mm(module.weight, flat.t()).t() if layout == "w_x" else torch.mm(flat, _transposed(module))
     if module.bias is not None:
         y = y + module.bias
     return y.reshape(*x.shape[:-1], module.weight.shape[0])
 
 
-def install(model: nn.Module, log=print) -> dict[tuple[int, int], tuple[bool, ...]]:
-    """Time both layouts for each weight shape of ``model``'s fp32 CPU Linear layers and route their inference
-    calls accordingly. Returns the choice per shape (all False: nothing changes). A second call on the same model
-    returns the first call's choices without timing again."""
+def install(model: nn.Module, log=print) -> dict[tuple[int, int], tuple[str, ...]]:
+    """Time the layouts for each weight shape of ``model``'s fp32 CPU Linear layers and route their inference
+    calls accordingly. Returns the choice per shape and bucket. A second call on the same model returns the first
+    call's choices without timing again."""
     if getattr(model, "_drafters_cpu_linear", None) is not None:
         return model._drafters_cpu_linear
-    choices: dict[tuple[int, int], tuple[bool, ...]] = {}
+    choices: dict[tuple[int, int], tuple[str, ...]] = {}
     for module in model.modules():
         if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
             continue
@@ -75,9 +96,9 @@ def install(model: nn.Module, log=print) -> dict[tuple[int, int], tuple[bool, ..
         shape = tuple(module.weight.shape)
         if shape not in choices:
             choices[shape] = choose_layouts(module.weight.detach())
-        use_left = choices[shape]
-        if any(use_left):
-            module.forward = types.MethodType(lambda self, x, u=use_left: small_rows_linear(self, x, u), module)
+        layouts = choices[shape]
+        if any(lay != "linear" for lay in layouts):
+            module.forward = types.MethodType(lambda self, x, u=layouts: small_rows_linear(self, x, u), module)
     model._drafters_cpu_linear = choices
     routed = {s: c for s, c in choices.items() if any(c)}
     log(
@@ -96,3 +117,5 @@ def uninstall(model: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             module.__dict__.pop("forward", None)
     model.__dict__.pop("_drafters_cpu_linear", None)
+    for module in model.modules():
+        module.__dict__.pop("_drafters_wt", None)

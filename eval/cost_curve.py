@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from eval.measure import prepare_target
 from eval.stdlib_corpus import heldout_prompts
 from infer.generate import DecodeState, generate_speculative, prefill, verify_tree
 from infer.proposer import Proposer, TargetSignal
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(ids) < args.context + 1:
         raise SystemExit(f"held-out prompts give {len(ids)} tokens, fewer than --context {args.context}")
     context = ids[: args.context + 1]
+    prepare_target(target)  # the same routed kernels as every report (infer/kernels/cpu_linear.py)
     print(f"target {args.target}, context {args.context}, {args.reps} reps, torch threads {torch.get_num_threads()}")
 
     result = {

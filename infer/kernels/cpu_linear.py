@@ -1,4 +1,4 @@
-"""Small-row linear layers on the CPU, with the faster of two fp32 matmul layouts chosen by measurement.
+"""Small-row linear layers on the CPU, with the fastest of three fp32 matmul layouts chosen by measurement.
 
 Decode and verification multiply a few rows (1 token, or a draft tree of 2–16) by every weight matrix of the target.
 On this project's CPU (AMD EPYC, AVX2, 2 threads, MKL) ``F.linear`` with 2–4 rows cost ~2x one row (one row takes a
@@ -100,14 +100,11 @@ def install(model: nn.Module, log=print) -> dict[tuple[int, int], tuple[str, ...
         if any(lay != "linear" for lay in layouts):
             module.forward = types.MethodType(lambda self, x, u=layouts: small_rows_linear(self, x, u), module)
     model._drafters_cpu_linear = choices
-    routed = {s: c for s, c in choices.items() if any(c)}
-    log(
-        "cpu linear: W @ xT for "
-        + (
-            ", ".join(f"{s[0]}x{s[1]} at rows {[b for b, u in zip(BUCKETS, c) if u]}" for s, c in routed.items())
-            or "none"
-        )
+    routed = {s: c for s, c in choices.items() if any(lay != "linear" for lay in c)}
+    described = "; ".join(
+        f"{s[0]}x{s[1]} " + " ".join(f"{b}:{lay}" for b, lay in zip(BUCKETS, c)) for s, c in routed.items()
     )
+    log(f"cpu linear (rows:layout): {described or 'F.linear everywhere, the fastest here'}")
     return choices
 
 

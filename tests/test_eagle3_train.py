@@ -291,3 +291,46 @@ def test_two_cpu_ranks_train_on_disjoint_shards(tiny_recipe, tmp_path, launcher)
     assert sharding["world"] == 2 and "MULTI_CPU" in sharding["distributed_type"]
     assert sharding["distinct_over_ranks"] == sharding["total_over_ranks"] == 2 * sharding["samples_per_rank"]
     assert (out / "model.safetensors").exists()
+
+
+@pytest.mark.integration
+def test_draft_model_is_cut_from_the_target_and_distilled(tiny_recipe, tmp_path):
+    """train/draft_model.py on the tiny target: the first layer plus norm and tied head; the layer and norm trained,
+    the embedding (= head) still the target's; the folder loads as a plain causal LM and drafts losslessly."""
+    from transformers import AutoModelForCausalLM
+
+    from infer.generate import generate_speculative, generate_vanilla
+    from infer.proposers import DraftModelProposer
+    from infer.sampling import SamplingParams
+    from models.target import TargetModel
+    from train import draft_model
+
+    out = tmp_path / "draft"
+    draft_model.main(
+        [
+            "--config",
+            str(ROOT / "recipes" / "smollm2-135m" / "draft_model.yaml"),
+            f"target.name_or_path={tiny_recipe / 'target'}",
+            "target.device=cpu",
+            f"data.path={tiny_recipe / 'train.jsonl'}",
+            "data.format=text",
+            "data.max_length=64",
+            f"data.cache_dir={tiny_recipe / 'hf-cache'}",
+            f"train.output_dir={out}",
+            "train.layers=1",
+            "train.steps=3",
+            "train.batch_size=2",
+            "train.log_every=1",
+        ]
+    )
+    target = AutoModelForCausalLM.from_pretrained(tiny_recipe / "target")
+    draft = AutoModelForCausalLM.from_pretrained(out)
+    assert draft.config.num_hidden_layers == 1 and (out / "README.md").exists()
+    t, d = target.state_dict(), draft.state_dict()
+    assert torch.equal(d["model.embed_tokens.weight"], t["model.embed_tokens.weight"])
+    assert torch.equal(d["lm_head.weight"], t["lm_head.weight"])  # the head stays the target's too
+    assert not torch.equal(d["model.layers.0.mlp.up_proj.weight"], t["model.layers.0.mlp.up_proj.weight"])
+    prompt, params = [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=12)
+    wrapped = TargetModel(target)
+    ref = generate_vanilla(wrapped, [prompt], params).tokens
+    assert generate_speculative(wrapped, DraftModelProposer(draft, k=3), [prompt], params).tokens == ref

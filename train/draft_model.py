@@ -89,7 +89,8 @@ def main(argv: list[str]) -> None:
     data, summary = build_dataset(cfg.data, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     draft = cut_target(target, tc.layers).to(target.device).train()
-    draft.get_input_embeddings().requires_grad_(False)  # shared with the head: stays the target's
+    draft.get_input_embeddings().requires_grad_(False)  # embedding and head stay the target's (tied or not)
+    draft.get_output_embeddings().requires_grad_(False)
     trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     print(
         f"draft: layers 0..{tc.layers - 1} of {target.num_layers}, {trainable / 1e6:.1f} M trainable parameters; "

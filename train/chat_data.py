@@ -328,20 +328,23 @@ def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=p
         "minutes_this_run": round((time.time() - t0) / 60, 1),
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out_dir / "README.md").write_text(data_card(rows, heldout, cfg, tokenizer))
+    (out_dir / "README.md").write_text(data_card(rows, heldout, cfg, tokenizer, str(target.name_or_path)))
     log(json.dumps(summary))
     return summary
 
 
-def data_card(rows: list[dict], heldout: list[dict], cfg: BuildConfig, tokenizer) -> str:
+def data_card(rows: list[dict], heldout: list[dict], cfg: BuildConfig, tokenizer, target_name: str) -> str:
     """What the data is, how it was made and how big it is (token counts with the target's tokenizer)."""
     answers = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
     answer_tokens = sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)
     kinds = {k: sum(r["kind"] == k for r in rows) for k in ("magpie", "code")}
     two_turn = sum(len(r["messages"]) > 2 for r in rows)
-    return f"""# Self-distilled chat data for {tokenizer.name_or_path}
+    return f"""# Self-distilled chat data for {target_name}
 
-Built without any hub by `python -m train.chat_data` (train/chat_data.py; resumable, seed {cfg.seed}):
+Built without any hub by `python -m train.chat_data` (train/chat_data.py; resumable, seed {cfg.seed}) with
+magpie {cfg.magpie}, heldout_chat {cfg.heldout_chat}, code {cfg.code}, multi_turn {cfg.multi_turn}, max_new_tokens
+{cfg.max_new_tokens}, answer_limit {cfg.answer_limit or "none"} (0 or none: every training conversation answered;
+a limit answers a seeded mix of that many, and a rerun with a higher one answers more). The rows:
 
 - {kinds["magpie"]} requests the target wrote itself from the bare ChatML user header (Magpie: T = 1, top-p 0.95,
   filtered for completeness, length, template text and near-duplicates);

@@ -24,6 +24,7 @@ import torch
 from accelerate import Accelerator
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from models.target import TargetModel, TargetOutput
 from train.data import collate, packed_attention_mask
@@ -50,14 +51,18 @@ def attention_masks(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
 
 
 @torch.no_grad()
-def target_forward(target: TargetModel, batch: dict[str, torch.Tensor]) -> TargetOutput:
-    """One target forward over a collated batch (right-padded, or packed with a block-diagonal mask)."""
+def target_forward(target: TargetModel, batch: dict[str, torch.Tensor], logits: bool = True) -> TargetOutput:
+    """One target forward over a collated batch (right-padded, or packed with a block-diagonal mask).
+
+    ``logits=False``: the head runs on the last position only (the offline cache stores the final-norm hidden state
+    instead, and a 49k-wide head over every token costs ~10 % of SmolLM2's forward)."""
+    keep = 0 if logits else 1
     if "position_ids" in batch:
         allowed = packed_attention_mask(batch["position_ids"])
         mask = torch.zeros(allowed.shape, dtype=target.dtype, device=allowed.device)
         mask = mask.masked_fill(~allowed, torch.finfo(target.dtype).min)
-        return target(batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"])
-    return target(batch["input_ids"], attention_mask=batch["attention_mask"])
+        return target(batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"], logits_to_keep=keep)
+    return target(batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep)
 
 
 @torch.no_grad()
@@ -115,7 +120,8 @@ def write_feature_cache(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    num_tokens = sum(len(x) for x in dataset["input_ids"])
+    lengths = [len(x) for x in dataset["input_ids"]]
+    num_tokens = sum(lengths)
     need = projected_bytes(num_tokens, target.hidden_size, len(target.aux_layer_ids), dtype)
     free = shutil.disk_usage(out).free
     log(
@@ -130,6 +136,9 @@ def write_feature_cache(
         stale.unlink()
     torch_dtype = FEATURE_DTYPES[dtype]
     rows = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))
+    # batches of similar length: right padding costs a full target forward per padded token (the shards record
+    # each sample's index, so the order on disk does not matter)
+    rows.sort(key=lambda i: lengths[i])
     shard: dict[str, list] = {}
     shard_id, shard_len = 0, 0
 
@@ -147,11 +156,12 @@ def write_feature_cache(
         )
         shard, shard_id, shard_len = {}, shard_id + 1, 0
 
+    bar = tqdm(total=len(rows), desc="offline features", disable=not accelerator.is_main_process)
     for start in range(0, len(rows), batch_size):
         idx = rows[start : start + batch_size]
         samples = [dataset[i] for i in idx]
         batch = {k: v.to(target.device) for k, v in collate(samples, pad_id).items()}
-        fwd = target_forward(target, batch)
+        fwd = target_forward(target, batch, logits=False)
         for j, i in enumerate(idx):
             n = len(samples[j]["input_ids"])
             parts = {
@@ -168,6 +178,8 @@ def write_feature_cache(
             shard_len += n
         if shard_len >= shard_tokens:
             flush()
+        bar.update(len(idx))
+    bar.close()
     flush()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

@@ -5,7 +5,8 @@
 
 Floating-point tensors are cast to bf16 (half the size; the drafter computes in the target's dtype after loading,
 `from_pretrained` casts back); d2t / t2d stay integer / bool. The checkpoint's own config.json (with its ``drafters``
-block) is copied unchanged, and so is the SGLang / vLLM export with its tensors cast the same way. The model card
+block) is copied unchanged, and so is the SGLang / vLLM export with its tensors cast the same way (its weights file is
+a link to ours when the bytes are the same, as they are for EAGLE-3). The model card
 takes its numbers from the checkpoint's ``train_log.jsonl`` and ``recipe.yaml``; nothing in it is typed by hand
 except ``--note``.
 """
@@ -74,7 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     shutil.copy(ckpt / "recipe.yaml", out / "recipe.yaml")
     shutil.copy(ckpt / "train_log.jsonl", out / "train_log.jsonl")
     if (ckpt / "export-sglang").exists():
-        cast_file(ckpt / "export-sglang" / "model.safetensors", out / "export-sglang" / "model.safetensors")
+        exported = out / "export-sglang" / "model.safetensors"
+        cast_file(ckpt / "export-sglang" / "model.safetensors", exported)
+        # the SGLang / vLLM keys are our own (models/export.py): the same bytes, so the repository keeps one copy
+        if exported.read_bytes() == (out / "model.safetensors").read_bytes():
+            exported.unlink()
+            exported.symlink_to(Path("..") / "model.safetensors")
         config = json.loads((ckpt / "export-sglang" / "config.json").read_text())
         config["torch_dtype"] = "bfloat16"
         (out / "export-sglang" / "config.json").write_text(json.dumps(config, indent=2) + "\n")

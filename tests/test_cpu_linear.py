@@ -14,11 +14,13 @@ def test_both_layouts_agree_and_routing_follows_the_measured_choice():
     for layout in cpu_linear.LAYOUTS:
         for rows in (1, 3, 8, 16, 40):
             x = torch.randn(2, rows, 48) if rows % 2 == 0 else torch.randn(rows, 48)
-            with torch.no_grad():
-                routed = cpu_linear.small_rows_linear(lin, x, (layout,) * len(cpu_linear.BUCKETS))
-                plain = torch.nn.functional.linear(x, lin.weight, lin.bias)
-            assert routed.shape == plain.shape
-            torch.testing.assert_close(routed, plain, rtol=1e-5, atol=1e-6)
+            # also a column-major input, as an elementwise op after a w_x layer produces
+            for x in (x, x.reshape(-1, 48).t().contiguous().t()):
+                with torch.no_grad():
+                    routed = cpu_linear.small_rows_linear(lin, x, (layout,) * len(cpu_linear.BUCKETS))
+                    plain = torch.nn.functional.linear(x, lin.weight, lin.bias)
+                assert routed.shape == plain.shape and routed.is_contiguous()
+                torch.testing.assert_close(routed, plain, rtol=1e-5, atol=1e-6)
     # the transposed copy follows in-place weight updates (a target trained between two reports)
     with torch.no_grad():
         lin.weight.mul_(2.0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
@@ -51,6 +52,8 @@ class Eagle3Proposer(Proposer):
             raise ValueError("choose a dynamic tree or static paths, not both")
         self.drafter, self.k, self.tree, self.static_paths = drafter.eval(), k, tree, static_paths
         self.fused = FusedStep(drafter)  # the drafter's step in fewer kernels (a snapshot: build after training)
+        if self.fused.qkv.weight.device.type == "cpu":
+            install_cpu_linear(self.fused, log=lambda msg: None)  # small-row matmul layouts measured on this CPU
         self.device = drafter.fc.weight.device
         self.dtype = drafter.fc.weight.dtype
         self.vocab_size = drafter.config.vocab_size
@@ -120,7 +123,7 @@ class Eagle3Proposer(Proposer):
         new_allowed = (causal[None] & valid[:, None, :]) | torch.eye(m, dtype=torch.bool, device=self.device)[None]
         allowed = torch.cat([self.kv_valid[:, None, :].expand(B, m, -1), new_allowed], 2)
         out = self.fused.step(
-            self.drafter.project_features(features),
+            self.fused.project_features(features),
             tokens,
             positions,
             allowed,

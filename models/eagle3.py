@@ -362,7 +362,7 @@ class StepOutput:
     """[B, nkv, S + m, d]."""
 
 
-class FusedStep:
+class FusedStep(nn.Module):
     """Inference-only snapshot of an `Eagle3Drafter` with the same math as ``Eagle3Drafter.step`` in fewer kernels.
 
     Drafting at batch 1 on a CPU is dispatch-bound (a 192-wide layer's matmuls take microseconds; each op costs
@@ -374,20 +374,35 @@ class FusedStep:
     """
 
     def __init__(self, drafter: Eagle3Drafter) -> None:
+        super().__init__()
         cfg, layer = drafter.config, drafter.midlayer
         attn = layer.self_attn
-        self.drafter, self.eps = drafter, cfg.rms_norm_eps
+        self.drafter = [drafter]  # a list: the snapshot must not register the drafter's parameters as its own
+        self.eps = cfg.rms_norm_eps
         self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+        def linear(weight: torch.Tensor) -> nn.Linear:
+            # nn.Linear modules (not bare tensors) so a runtime can route their small-row calls (infer/kernels)
+            out = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+            out.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+            return out
+
         with torch.no_grad():
             in_scale = torch.cat([layer.input_layernorm.weight, layer.hidden_norm.weight])  # embedding first, as concat
-            self.w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) * in_scale
-            self.w_o = attn.o_proj.weight.detach().clone()
+            self.qkv = linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) * in_scale)
+            self.o = linear(attn.o_proj.weight)
             mlp = layer.mlp
-            self.w_gate_up = (
+            self.gate_up = linear(
                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) * layer.post_attention_layernorm.weight
             )
-            self.w_down = mlp.down_proj.weight.detach().clone()
-            self.w_lm = drafter.lm_head.weight * drafter.norm.weight
+            self.down = linear(mlp.down_proj.weight)
+            self.lm = linear(drafter.lm_head.weight * drafter.norm.weight)
+            self.fc = linear(drafter.fc.weight)
+        self.feature_norm = drafter.feature_norm
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """= ``Eagle3Drafter.project_features``."""
+        return self.fc(features if self.feature_norm is None else self.feature_norm(features))
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         """RMS normalisation without the weight (folded into the next matmul); statistics in fp32 like RMSNorm."""
@@ -396,7 +411,7 @@ class FusedStep:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """= ``Eagle3Drafter.compute_logits``."""
-        return F.linear(self._normalize(hidden), self.w_lm)
+        return self.lm(self._normalize(hidden))
 
     def step(
         self,
@@ -411,17 +426,17 @@ class FusedStep:
         """Same contract as ``Eagle3Drafter.step``."""
         B, m, H = hidden.shape
         nh, nkv, d = self.nh, self.nkv, self.d
-        x = self._normalize(torch.stack([self.drafter.embed_tokens(input_ids), hidden], 2)).view(B, m, 2 * H)
-        qkv = F.linear(x, self.w_qkv).view(B, m, nh + 2 * nkv, d).transpose(1, 2)  # [B, heads, m, d]
-        cos, sin = self.drafter.rope_by_position(x, positions)
+        x = self._normalize(torch.stack([self.drafter[0].embed_tokens(input_ids), hidden], 2)).view(B, m, 2 * H)
+        qkv = self.qkv(x).view(B, m, nh + 2 * nkv, d).transpose(1, 2)  # [B, heads, m, d]
+        cos, sin = self.drafter[0].rope_by_position(x, positions)
         qk = apply_rope(qkv[:, : nh + nkv], cos, sin)
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
         keys = k if past_keys is None else torch.cat([past_keys, k], 2)
         values = v if past_values is None else torch.cat([past_values, v], 2)
         a = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], enable_gqa=nh != nkv)
-        h = hidden + F.linear(a.transpose(1, 2).reshape(B, m, nh * d), self.w_o)
-        gate, up = F.linear(self._normalize(h), self.w_gate_up).chunk(2, dim=-1)
-        h = h + F.linear(F.silu(gate) * up, self.w_down)
+        h = hidden + self.o(a.transpose(1, 2).reshape(B, m, nh * d))
+        gate, up = self.gate_up(self._normalize(h)).chunk(2, dim=-1)
+        h = h + self.down(F.silu(gate) * up)
         return StepOutput(h, self.logits(h) if with_logits else None, keys, values)
 
 

@@ -13,9 +13,9 @@ def test_both_layouts_agree_and_routing_follows_the_measured_choice():
     lin = torch.nn.Linear(48, 80, bias=True)
     for layout in cpu_linear.LAYOUTS:
         for rows in (1, 3, 8, 16, 40):
-            x = torch.randn(2, rows, 48) if rows % 2 == 0 else torch.randn(rows, 48)
+            x0 = torch.randn(2, rows, 48) if rows % 2 == 0 else torch.randn(rows, 48)
             # also a column-major input, as an elementwise op after a w_x layer produces
-            for x in (x, x.reshape(-1, 48).t().contiguous().t()):
+            for x in (x0, x0.reshape(-1, 48).t().contiguous().t()):
                 with torch.no_grad():
                     routed = cpu_linear.small_rows_linear(lin, x, (layout,) * len(cpu_linear.BUCKETS))
                     plain = torch.nn.functional.linear(x, lin.weight, lin.bias)

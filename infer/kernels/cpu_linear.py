@@ -54,9 +54,9 @@ def choose_layouts(weight: torch.Tensor, reps: int = 3) -> tuple[str, ...]:
     for m in BUCKETS:
         x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
         calls = {
-            "linear": lambda: [F.linear(x, w) for w in copies],
-            "w_x": lambda: [torch.mm(w, x.t()).t().contiguous() for w in copies],
-            "x_wt": lambda: [torch.mm(x, wt) for wt in transposed],
+            "linear": lambda x=x: [F.linear(x, w) for w in copies],
+            "w_x": lambda x=x: [torch.mm(w, x.t()).t().contiguous() for w in copies],
+            "x_wt": lambda x=x: [torch.mm(x, wt) for wt in transposed],
         }
         times = {name: _best_seconds(fn, reps) for name, fn in calls.items()}
         best = min(times, key=times.get)

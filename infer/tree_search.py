@@ -19,6 +19,7 @@ rules treat them as deterministic drafts (one-hot q), which keeps sampling lossl
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -144,3 +145,40 @@ def build_static_tree(
     return DraftTree(
         tokens, torch.tensor(parents, device=dev).expand(B, n).clone(), torch.ones(B, n, dtype=torch.bool, device=dev)
     )
+
+
+def best_rank_paths(rank_accuracy: list[list[float]], budget: int) -> list[tuple[int, ...]]:
+    """The static tree of at most ``budget`` draft nodes with the largest expected accepted length.
+
+    ``rank_accuracy[d][r]``: measured probability that the r-th most likely candidate of draft position d (Medusa:
+    head d) is the token the target emits there, given the earlier positions were right. A node at rank path
+    (r_0, …, r_d) is accepted with probability Π_i rank_accuracy[i][r_i] (the positions taken as independent, as
+    Medusa's calibrated trees do), and the expected accepted length of a tree is the sum of its nodes' values.
+    Values fall along every path, so the best tree of n nodes is the n most valuable paths: grown greedily, best
+    frontier node first (Medusa §3.3.1's construction). Returns paths in (depth, path) order.
+    """
+    if budget < 1:
+        return []
+    depth_max = len(rank_accuracy)
+    frontier = [(-rank_accuracy[0][r], (r,)) for r in range(len(rank_accuracy[0]))] if depth_max else []
+    heapq.heapify(frontier)
+    chosen: list[tuple[int, ...]] = []
+    while frontier and len(chosen) < budget:
+        neg_value, path = heapq.heappop(frontier)
+        chosen.append(path)
+        d = len(path)
+        if d < depth_max:
+            for r, acc in enumerate(rank_accuracy[d]):
+                heapq.heappush(frontier, (neg_value * acc, (*path, r)))
+    return sorted(chosen, key=lambda p: (len(p), p))
+
+
+def expected_accepted(rank_accuracy: list[list[float]], paths: list[tuple[int, ...]]) -> float:
+    """Σ over the tree's nodes of Π_i rank_accuracy[i][r_i]: expected accepted drafts per round (τ − 1)."""
+    total = 0.0
+    for path in paths:
+        value = 1.0
+        for d, r in enumerate(path):
+            value *= rank_accuracy[d][r]
+        total += value
+    return total

@@ -26,7 +26,6 @@ version, target name / vocab size / hidden size / layer count, tokenizer fingerp
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,18 +33,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import LlamaConfig, PreTrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from models.checkpoint import WEIGHTS_NAME, TargetInfo, read_checkpoint, write_checkpoint
 from models.config import from_dict
-from models.target import AUX_LAYER_CONVENTION, TargetModel, tokenizer_fingerprint
+from models.target import TargetModel
 
 METHOD = "eagle3"
-FORMAT_VERSION = 1
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,83 +168,14 @@ class Eagle3Config:
         )
 
 
-@dataclass
-class TargetInfo:
-    """The ``drafters`` block of config.json: what the drafter was trained against (DESIGN.md §6)."""
-
-    target_name: str
-    """name_or_path of the target at training time (informational: paths move)."""
-    target_vocab_size: int
-    """Logit width of the target; checked on load."""
-    target_hidden_size: int
-    """Hidden size of the target; checked on load."""
-    target_num_layers: int
-    """Decoder layers of the target; checked on load (aux ids index them)."""
-    tokenizer_fingerprint: str | None
-    """`models.target.tokenizer_fingerprint` of the target's tokenizer; checked when a tokenizer is given."""
-    aux_layer_ids: list[int]
-    """Feature taps, in the convention below."""
-    aux_layer_convention: str = AUX_LAYER_CONVENTION
-    """How to read aux_layer_ids ("output_of_layer_0based": HF output_hidden_states[k + 1])."""
-    target_architectures: list[str] = field(default_factory=list)
-    """HF architectures of the target (informational; the speculators export names its verifier with them)."""
-    method: str = METHOD
-    version: int = FORMAT_VERSION
-
-    def __post_init__(self) -> None:
-        if self.method != METHOD:
-            raise ValueError(f"not an {METHOD} checkpoint: method={self.method!r}")
-        if self.version > FORMAT_VERSION:
-            raise ValueError(f"checkpoint format version {self.version} is newer than this code ({FORMAT_VERSION})")
-        if self.aux_layer_convention != AUX_LAYER_CONVENTION:
-            raise ValueError(
-                f"aux_layer_convention {self.aux_layer_convention!r} is not {AUX_LAYER_CONVENTION!r}; convert the ids "
-                "with models.target.from_before_layer_ids"
-            )
-
-    @classmethod
-    def of(cls, target: TargetModel, tokenizer=None) -> TargetInfo:
-        return cls(
-            target_name=str(target.name_or_path),
-            target_vocab_size=target.vocab_size,
-            target_hidden_size=target.hidden_size,
-            target_num_layers=target.num_layers,
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
-            aux_layer_ids=target.aux_layer_ids,
-            target_architectures=list(target.config.architectures or [type(target.hf_model).__name__]),
-        )
-
-    def check(self, target: TargetModel, tokenizer=None) -> None:
-        """Raise ValueError naming every mismatch between this block and ``target`` (and its tokenizer)."""
-        problems = []
-        for name, want, got in (
-            ("vocab size", self.target_vocab_size, target.vocab_size),
-            ("hidden size", self.target_hidden_size, target.hidden_size),
-            ("decoder layers", self.target_num_layers, target.num_layers),
-        ):
-            if want != got:
-                problems.append(f"{name}: drafter trained for {want}, target has {got}")
-        if list(self.aux_layer_ids) != target.aux_layer_ids:
-            problems.append(
-                f"aux layers: drafter reads {self.aux_layer_ids} ({self.aux_layer_convention}), the target captures "
-                f"{target.aux_layer_ids}; build TargetModel(..., aux_layer_ids={self.aux_layer_ids})"
-            )
-        if tokenizer is not None and self.tokenizer_fingerprint is not None:
-            got_fp = tokenizer_fingerprint(tokenizer)
-            if got_fp != self.tokenizer_fingerprint:
-                problems.append(f"tokenizer fingerprint: drafter {self.tokenizer_fingerprint}, target {got_fp}")
-        if problems:
-            raise ValueError(f"drafter does not match target {target.name_or_path!r}: " + "; ".join(problems))
-
-
 def read_checkpoint_config(path: str | Path) -> tuple[Eagle3Config, TargetInfo]:
-    """Parse a checkpoint's config.json (no weights read): use it to build the matching target first."""
-    raw = json.loads((Path(path) / CONFIG_NAME).read_text())
-    block = raw.pop("drafters", None)
-    if block is None:
-        raise ValueError(f"{path}/{CONFIG_NAME} has no 'drafters' block: not a drafters checkpoint")
-    raw.pop("architectures", None)
-    return from_dict(Eagle3Config, raw), from_dict(TargetInfo, block)
+    """Parse an EAGLE-3 checkpoint's config.json (no weights read): use it to build the matching target first."""
+    raw, info = read_checkpoint(path)
+    if info.method != METHOD:
+        raise ValueError(
+            f"{path}: not an {METHOD} checkpoint (method={info.method!r}); models.loader.load_drafter reads any"
+        )
+    return from_dict(Eagle3Config, raw), info
 
 
 # --------------------------------------------------------------------------------------------------
@@ -529,16 +457,9 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(
                 "target_info is unset: build the drafter with from_target so the checkpoint names its target"
             )
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        config = {
-            "architectures": ["Eagle3Drafter"],
-            **dataclasses.asdict(self.config),
-            "drafters": dataclasses.asdict(self.target_info),
-        }
-        (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state_dict().items()}
-        save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt", "drafters_method": METHOD})
+        write_checkpoint(
+            path, "Eagle3Drafter", dataclasses.asdict(self.config), self.target_info, self.trainable_state_dict()
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: TargetModel, tokenizer=None) -> Eagle3Drafter:

@@ -7,6 +7,16 @@
 - speculators (``Eagle3Speculator``): the same weights with the layer under ``layers.0.``, the layer shape in
   ``transformer_layer_config`` and the verifier and proposal in ``speculators_config``.
 
+Medusa heads (key maps: REFERENCE.md, "Medusa"):
+
+- vLLM (``model_type: "medusa"``): ``blocks.{h}.layers.{j}.{weight,bias}`` and ``lm_heads.{h}.weight``; config
+  ``num_heads``, ``num_hidden_layers``, ``medusa_fc_bias``, ``original_lm_head``, ``truncated_vocab_size``.
+- original Medusa / TensorRT-LLM's converter: ``medusa_lm_head.safetensors`` with ``{h}.{l}.linear.{weight,bias}``
+  and ``{h}.{L}.weight`` (the head's lm_head after its L blocks); config ``medusa_num_heads``, ``medusa_num_layers``.
+
+Both carry one lm_head per head: a shared-head drafter writes the target's head under every head (the engines load
+the heads from the drafter folder, not from the target).
+
 Aux-layer ids are written in the engines' "before layer k" convention (ours + 1, see models/target.py).
 Each format is a pair of pure functions (config dict, state dict) so tests can check key names and shapes on a
 meta-device model, and a ``save_*`` that writes them.
@@ -21,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.eagle3 import Eagle3Drafter
+from models.medusa import MedusaDrafter
 from models.target import to_before_layer_ids
 
 DEFAULT_SPECULATIVE_TOKENS = 5
@@ -149,4 +160,76 @@ def _write(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor]) 
         str(out / "model.safetensors"),
         metadata={"format": "pt"},
     )
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ Medusa
+def _medusa_heads(drafter: MedusaDrafter) -> list[torch.Tensor]:
+    # copies: a shared head is one tensor, and safetensors refuses several names for one storage
+    return [drafter.output_head(k).weight.detach().clone() for k in range(drafter.config.num_heads)]
+
+
+def medusa_vllm_config(drafter: MedusaDrafter) -> dict:
+    cfg = drafter.config
+    return {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "truncated_vocab_size": cfg.vocab_size,
+        "num_heads": cfg.num_heads,
+        "num_hidden_layers": cfg.num_layers,
+        "medusa_fc_bias": True,
+        "original_lm_head": False,
+        "torch_dtype": str(_medusa_heads(drafter)[0].dtype).removeprefix("torch."),
+    }
+
+
+def medusa_vllm_state_dict(drafter: MedusaDrafter) -> dict[str, torch.Tensor]:
+    out = {}
+    for h, block in enumerate(drafter.blocks):
+        for j, res in enumerate(block):
+            out[f"blocks.{h}.layers.{j}.weight"] = res.linear.weight
+            out[f"blocks.{h}.layers.{j}.bias"] = res.linear.bias
+    for h, weight in enumerate(_medusa_heads(drafter)):
+        out[f"lm_heads.{h}.weight"] = weight
+    return out
+
+
+def save_medusa_vllm(drafter: MedusaDrafter, out_dir: str | Path) -> Path:
+    """Write a vLLM Medusa directory; returns it."""
+    return _write(out_dir, medusa_vllm_config(drafter), medusa_vllm_state_dict(drafter))
+
+
+def medusa_original_config(drafter: MedusaDrafter) -> dict:
+    cfg = drafter.config
+    info = drafter.target_info
+    return {
+        "medusa_num_heads": cfg.num_heads,
+        "medusa_num_layers": cfg.num_layers,
+        "base_model_name_or_path": info.target_name if info is not None else None,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+def medusa_original_state_dict(drafter: MedusaDrafter) -> dict[str, torch.Tensor]:
+    out = {}
+    L = drafter.config.num_layers
+    for h, block in enumerate(drafter.blocks):
+        for j, res in enumerate(block):
+            out[f"{h}.{j}.linear.weight"] = res.linear.weight
+            out[f"{h}.{j}.linear.bias"] = res.linear.bias
+    for h, weight in enumerate(_medusa_heads(drafter)):
+        out[f"{h}.{L}.weight"] = weight
+    return out
+
+
+def save_medusa_original(drafter: MedusaDrafter, out_dir: str | Path) -> Path:
+    """Write the original Medusa layout (config.json + medusa_lm_head.safetensors); returns the directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(medusa_original_config(drafter), indent=2) + "\n")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in medusa_original_state_dict(drafter).items()}
+    save_file(tensors, str(out / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
     return out

@@ -14,6 +14,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 METHOD_CONFIGS = {
     "eagle3": ("train.eagle3", "Eagle3RecipeConfig"),
     "draft_model": ("train.draft_model", "DraftModelRecipe"),
+    "medusa1": ("train.medusa", "MedusaRecipeConfig"),
 }
 
 

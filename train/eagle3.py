@@ -1,6 +1,6 @@
 """Train an EAGLE-3 drafter for a frozen target, then measure it with the verify runtime.
 
-    python train/eagle3.py --config recipes/reference/eagle3.yaml [key=value ...]
+    python train/eagle3.py --config recipes/smollm2-135m/eagle3.yaml [key=value ...]
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml train/eagle3.py --config ...   # 2 CPU ranks
     torchrun --nproc_per_node 2 train/eagle3.py --config ...
     python train/eagle3.py report --drafter DIR [--config recipe.yaml] [report.prompts=8 ...]   # any checkpoint
@@ -9,15 +9,12 @@ Top to bottom: parse config → target, tokenizer, data → draft vocabulary + d
 training-time-test loop (EAGLE-3: soft cross-entropy on the draft vocab, step weights 0.8^i, AdamW + warm-up +
 cosine, grad clip) with held-out simulated τ → checkpoint + engine exports → τ / speedup report.
 
-Data sharding is explicit: every epoch is one seeded permutation of the samples, cut into global batches of
-world × batch_size; rank r takes its slice of each, so resuming at micro-batch m replays nothing and skips nothing.
+Sharding, schedule, feature source and metrics log are shared with the other recipes (train/loop.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,31 +24,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from models.config import parse_cli, save_config, to_dict  # noqa: E402
-from models.eagle3 import Eagle3Drafter, read_checkpoint_config  # noqa: E402
+from models.eagle3 import Eagle3Drafter  # noqa: E402
 from models.export import save_sglang, save_speculators  # noqa: E402
 from models.target import TargetConfig, TargetModel, load_tokenizer  # noqa: E402
 from train.checkpoint import load_training_state, save_training_state  # noqa: E402
 from train.data import DataConfig, build_dataset, collate  # noqa: E402
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage  # noqa: E402
-from train.eagle3_report import ReportConfig, run_report  # noqa: E402
-from train.features import (  # noqa: E402
-    FEATURE_DTYPES,
-    FeatureCache,
-    attention_masks,
-    cache_is_valid,
-    cache_key,
-    collate_features,
-    target_signals,
-    write_feature_cache,
+from train.features import attention_masks, target_signals  # noqa: E402
+from train.loop import (  # noqa: E402
+    TrainConfig,
+    check_sharding,
+    epoch_batch,
+    feature_source,
+    make_accelerator,
+    record,
+    schedule,
+    to_device,
 )
 from train.losses import eagle3_ttt_loss, simulated_tau  # noqa: E402
-from train.optim import adamw, mixed_precision, set_lr, warmup_cosine  # noqa: E402
+from train.optim import adamw, set_lr, warmup_cosine  # noqa: E402
+from train.report import ReportConfig, report_main, run_report  # noqa: E402
 from train.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled  # noqa: E402
 
 
@@ -78,67 +75,6 @@ class DrafterConfig:
 
 
 @dataclass
-class TrainConfig:
-    output_dir: str
-    """Checkpoint, exports, logs, resumable state and report go here."""
-    features: str = "online"
-    """"online": a target forward per batch; "offline": features cached to disk once, then read every epoch."""
-    features_dir: str | None = None
-    """Offline cache directory (default <output_dir>/features)."""
-    feature_dtype: str = "bfloat16"
-    """Dtype of cached features ("bfloat16", "float16", "float32")."""
-    epochs: float = 10.0
-    """Passes over the training samples (SpecForge 10; fractions allowed)."""
-    max_steps: int | None = None
-    """Cap on optimizer steps (None: epochs decide)."""
-    max_train_samples: int | None = None
-    """Train on a seeded random subset of N samples (None: all)."""
-    batch_size: int = 1
-    """Samples per rank per micro-batch (SpecForge 1)."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step."""
-    lr: float = 1e-4
-    """Peak learning rate (SpecForge 1e-4)."""
-    warmup_ratio: float = 0.015
-    """Share of steps of linear warm-up (SpecForge 1.5 %)."""
-    min_lr_ratio: float = 0.0
-    """Cosine decays to min_lr_ratio · lr."""
-    weight_decay: float = 0.0
-    """AdamW weight decay on matrices (SpecForge 0)."""
-    grad_clip: float = 0.5
-    """Max gradient norm (SpecForge 0.5)."""
-    mixed_precision: str = "auto"
-    """"auto" (bf16 on CUDA / bf16-capable CPUs, else fp32), "bf16" or "fp32"."""
-    seed: int = 0
-    log_every: int = 10
-    """Optimizer steps between log lines (loss and top-1 accuracy per TTT step)."""
-    eval_every: int = 0
-    """Optimizer steps between held-out evaluations (simulated τ); 0 = only at the end."""
-    eval_samples: int = 64
-    """Held-out samples per evaluation."""
-    save_every: int = 0
-    """Optimizer steps between resumable states; 0 = only at the end."""
-    log_with: str | None = None
-    """Accelerate tracker ("tensorboard", "wandb", ...); None: stdout + <output_dir>/train_log.jsonl only."""
-    export: bool = True
-    """Also write the SGLang/vLLM and speculators exports next to the checkpoint."""
-
-    def __post_init__(self) -> None:
-        if self.features not in ("online", "offline"):
-            raise ValueError(f"features must be 'online' or 'offline', got {self.features!r}")
-        if self.feature_dtype not in FEATURE_DTYPES:
-            raise ValueError(f"feature_dtype must be one of {list(FEATURE_DTYPES)}")
-        if self.mixed_precision not in ("auto", "bf16", "fp32"):
-            raise ValueError("mixed_precision must be 'auto', 'bf16' or 'fp32'")
-        if self.epochs <= 0 or self.batch_size < 1 or self.grad_accum < 1 or self.lr <= 0:
-            raise ValueError("need epochs > 0, batch_size >= 1, grad_accum >= 1, lr > 0")
-        if not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError("warmup_ratio must be in [0, 1) and min_lr_ratio in [0, 1]")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError("max_steps must be >= 1 or None")
-
-
-@dataclass
 class Eagle3RecipeConfig:
     target: TargetConfig
     """The frozen target (aux_layer_ids: EAGLE-3's low / mid / high taps by default)."""
@@ -156,31 +92,7 @@ class Eagle3RecipeConfig:
     eval_data.path may then point into it."""
 
 
-@dataclass
-class ReportOnlyConfig:
-    target: TargetConfig | None = None
-    """Target to measure against (None: the checkpoint's target_name and aux ids)."""
-    report: ReportConfig = field(default_factory=ReportConfig)
-
-
 # --------------------------------------------------------------------------------------------- helpers
-@functools.lru_cache(maxsize=2)
-def _epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
-    # one permutation per epoch, not per micro-batch: O(N) each, and the 8B recipes' N is ~1e6 (read-only result)
-    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-
-
-def epoch_batch(num_samples: int, micro: int, per_epoch: int, seed: int, rank: int, world: int, bs: int) -> list[int]:
-    """Sample indices of this rank's micro-batch number ``micro`` (global batches of world·bs, seeded per epoch)."""
-    epoch, g = divmod(micro, per_epoch)
-    start = g * world * bs + rank * bs
-    return _epoch_order(num_samples, seed, epoch)[start : start + bs].tolist()
-
-
-def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in batch.items()}
-
-
 def build_drafter(
     cfg: Eagle3RecipeConfig, target: TargetModel, tokenizer, train_set, eval_set, out: Path, log
 ) -> Eagle3Drafter:
@@ -237,53 +149,16 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
     return {"eval/acc": alphas, "eval/simulated_tau": simulated_tau(alphas)}
 
 
-def report_main(argv: list[str]) -> None:
-    """``report --drafter DIR [--config FILE] [overrides]``: measure any checkpoint with the verify runtime."""
-    args, drafter_dir = list(argv), None
-    if "--drafter" in args:
-        i = args.index("--drafter")
-        drafter_dir, args = args[i + 1], args[:i] + args[i + 2 :]
-    recipe = any(a == "--config" or a.startswith("--config=") for a in args)
-    cfg = parse_cli(Eagle3RecipeConfig if recipe else ReportOnlyConfig, args)
-    drafter_dir = drafter_dir or cfg.report.drafter_dir or (cfg.train.output_dir if recipe else None)
-    if drafter_dir is None:
-        raise SystemExit("report mode needs --drafter DIR (or --config with train.output_dir / report.drafter_dir)")
-    _, info = read_checkpoint_config(drafter_dir)
-    target_cfg = cfg.target or TargetConfig(name_or_path=info.target_name, aux_layer_ids=info.aux_layer_ids)
-    if target_cfg.aux_layer_ids is None:
-        target_cfg.aux_layer_ids = info.aux_layer_ids
-    tokenizer = load_tokenizer(target_cfg.name_or_path)
-    target = TargetModel.from_config(target_cfg)
-    drafter = Eagle3Drafter.from_pretrained(drafter_dir, target, tokenizer)
-    eval_set = build_dataset(cfg.eval_data, tokenizer)[0] if recipe and cfg.eval_data is not None else None
-    run_report(target, drafter, tokenizer, cfg.report, cfg.report.output_dir or drafter_dir, eval_set)
-
-
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "report":
-        return report_main(argv[1:])
+        return report_main(argv[1:], Eagle3RecipeConfig)
     cfg = parse_cli(Eagle3RecipeConfig, argv)
     tc = cfg.train
     out = Path(tc.output_dir)
-    accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(),
-        mixed_precision=mixed_precision(tc.mixed_precision),
-        log_with=tc.log_with,
-        project_dir=str(out),
-    )
+    accelerator, log = make_accelerator(tc)
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(tc.seed)
-    log_file = out / "train_log.jsonl"
-
-    def log(msg: str) -> None:
-        if accelerator.is_main_process:
-            print(msg, flush=True)
-
-    log(
-        f"world {world} ({accelerator.distributed_type}), precision {accelerator.mixed_precision}, "
-        f"device {accelerator.device}, threads/rank {torch.get_num_threads()}"
-    )
     t_start = time.time()
 
     # ---- target, tokenizer, data
@@ -329,26 +204,12 @@ def main(argv: list[str]) -> None:
         save_file({"d2t": drafter.d2t.cpu(), "t2d": drafter.t2d.cpu()}, str(out / "draft_vocab.safetensors"))
 
     # ---- features: online (target forward per batch) or offline (cache once, read every epoch)
-    samples, collate_fn = train_set, collate
-    if tc.features == "offline":
-        cache_dir = Path(tc.features_dir or out / "features")
-        key = cache_key(target, train_set._fingerprint, tc.feature_dtype, len(train_set))
-        if not cache_is_valid(cache_dir, key):
-            write_feature_cache(
-                accelerator, target, train_set, cache_dir, key, tc.feature_dtype, pad_id=pad_id, log=log
-            )
-        samples, collate_fn = FeatureCache(cache_dir), collate_features
-        log(f"features: offline cache {cache_dir} ({len(samples)} samples)")
+    samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
 
     # ---- optimizer, schedule, resume
     optimizer = adamw(drafter, tc.lr, tc.weight_decay)
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
-    per_epoch = len(samples) // (world * tc.batch_size)  # the remainder of each epoch is dropped on every rank alike
-    if per_epoch == 0:
-        raise SystemExit(f"{len(samples)} samples are fewer than one global batch ({world} x {tc.batch_size})")
-    total_steps = int(tc.epochs * per_epoch) // tc.grad_accum
-    total_steps = min(total_steps, tc.max_steps or total_steps)
-    warmup = max(1, round(tc.warmup_ratio * total_steps)) if tc.warmup_ratio else 0
+    per_epoch, total_steps, warmup = schedule(tc, len(samples), world)
     counters = load_training_state(accelerator, out) or {"step": 0}
     step = counters["step"]
     log(
@@ -360,27 +221,7 @@ def main(argv: list[str]) -> None:
         accelerator.init_trackers("eagle3", config={k: str(v) for k, v in to_dict(cfg).items()})
 
     # ---- check the sharding this run really got: every rank's first-epoch samples, disjoint across ranks
-    mine = torch.tensor(
-        [
-            i
-            for m in range(per_epoch)
-            for i in epoch_batch(len(samples), m, per_epoch, tc.seed, rank, world, tc.batch_size)
-        ]
-    )
-    every = accelerator.gather(mine.to(accelerator.device)).cpu()
-    sharding = {
-        "world": world,
-        "distributed_type": str(accelerator.distributed_type),
-        "samples_per_rank": len(mine),
-        "distinct_over_ranks": int(every.unique().numel()),
-        "total_over_ranks": int(every.numel()),
-    }
-    if sharding["distinct_over_ranks"] != sharding["total_over_ranks"]:
-        raise RuntimeError(f"ranks would train on overlapping samples: {sharding}")
-    log(json.dumps({"sharding": sharding}))
-    if accelerator.is_main_process:
-        with open(log_file, "a") as f:
-            f.write(json.dumps({"sharding": sharding}) + "\n")
+    record(accelerator, tc, {"sharding": check_sharding(accelerator, tc, len(samples), per_epoch)}, log)
 
     # ---- training-time-test loop
     model = accelerator.unwrap_model(drafter)
@@ -425,12 +266,7 @@ def main(argv: list[str]) -> None:
             }
             if do_eval:
                 metrics.update(evaluate(accelerator, target, drafter, eval_set, cfg, pad_id))
-            log(json.dumps(metrics))
-            if accelerator.is_main_process:
-                with open(log_file, "a") as f:
-                    f.write(json.dumps(metrics) + "\n")
-                if tc.log_with:
-                    accelerator.log({n: v for n, v in metrics.items() if not isinstance(v, list)}, step=step)
+            record(accelerator, tc, metrics, log)
             stats.zero_()
         if tc.save_every and step % tc.save_every == 0 and step < total_steps:
             save_training_state(accelerator, out, {"step": step})

@@ -50,9 +50,9 @@ def attention_masks(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
     return allowed, torch.arange(T, device=ids.device).expand(B, T), None
 
 
-@torch.no_grad()
 def target_forward(target: TargetModel, batch: dict[str, torch.Tensor], logits: bool = True) -> TargetOutput:
-    """One target forward over a collated batch (right-padded, or packed with a block-diagonal mask).
+    """One target forward over a collated batch (right-padded, or packed with a block-diagonal mask); gradients
+    follow the caller's grad mode.
 
     ``logits=False``: the head runs on the last position only (the offline cache stores the final-norm hidden state
     instead, and a 49k-wide head over every token costs ~10 % of SmolLM2's forward)."""
@@ -72,6 +72,15 @@ def target_signals(target: TargetModel, batch: dict[str, torch.Tensor]) -> tuple
         return batch["aux_hidden"], target.lm_head(batch["last_hidden"].to(target.dtype))
     out = target_forward(target, batch)
     return out.aux_hidden, out.logits
+
+
+def final_hidden(target: TargetModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The target's final-norm hidden state [B, T, H] (what its lm_head reads; Medusa's input), from the cached
+    features or one target forward. Gradients flow into the target when it is trainable (joint training)."""
+    if "last_hidden" in batch:
+        return batch["last_hidden"].to(target.dtype)
+    with torch.set_grad_enabled(target.mode != "frozen" and torch.is_grad_enabled()):
+        return target_forward(target, batch, logits=False).last_hidden
 
 
 # ------------------------------------------------------------------------------------------ offline

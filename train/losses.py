@@ -80,3 +80,21 @@ def simulated_tau(alphas: list[float]) -> float:
         run *= a
         tau += run
     return tau
+
+
+def medusa_head_targets(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, head: int, sample_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [B, T] bool, labels [B, T]) of Medusa head ``head`` (0-based): at position t it predicts token
+    t+2+head, trained where that token is a loss token of the same sample (Cai et al. 2024, Medusa-1 loss)."""
+    labels = shift_left(input_ids, 2 + head, 0)
+    positions = shift_left(loss_mask.bool(), 2 + head, False)
+    if sample_ids is not None:
+        positions &= shift_left(sample_ids, 2 + head, -1) == sample_ids
+    return positions, labels
+
+
+def rank_hits(logits: torch.Tensor, labels: torch.Tensor, ranks: int) -> torch.Tensor:
+    """logits [N, V], labels [N] → [ranks] int64: how often the label is the r-th most likely token (r < ranks)."""
+    top = logits.topk(ranks, dim=-1).indices  # [N, ranks]
+    return (top == labels[:, None]).sum(0)

@@ -1,8 +1,9 @@
-"""The verify-runtime report of an EAGLE-3 drafter (end of training, or on demand for any checkpoint).
+"""The verify-runtime report of any drafter (end of every recipe, or on demand for any checkpoint).
 
 Measures, on held-out prompts (``eval.prompts``; every answer stops at the target's EOS) and in one process with
-interleaved runs (``eval.measure``): vanilla decoding, HF ``generate``, prompt lookup, the drafter as a chain and as
-an EAGLE-2 dynamic tree, and (when given) a small draft model with the same chain and tree settings; writes
+interleaved runs (``eval.measure``): vanilla decoding, HF ``generate``, prompt lookup, the drafter (EAGLE-3: a chain
+and an EAGLE-2 dynamic tree; Medusa: a chain of its heads' top-1 and the static tree stored with it), the drafters
+named in ``compare`` the same way, and (when given) a small draft model with the chain and tree settings; writes
 ``report.json`` + ``report.md`` with rows for all prompts and for each category.
 """
 
@@ -19,11 +20,19 @@ from eval.measure import Candidate, MeasuredPrompt, measure, prepare_target, sto
 from eval.prompts import CATEGORIES, builtin_prompts, encode_turns, load_prompt_file
 from infer.eagle3_proposer import Eagle3Proposer
 from infer.generate import generate_vanilla
+from infer.medusa_proposer import MedusaProposer
 from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
 from infer.tree_search import DynamicTreeConfig
+from models.checkpoint import read_checkpoint
+from models.config import parse_cli
 from models.eagle3 import Eagle3Drafter
-from models.target import TargetModel
+from models.loader import load_drafter
+from models.medusa import MedusaDrafter
+from models.target import TargetConfig, TargetModel, load_tokenizer
+from train.data import build_dataset
+
+Drafter = Eagle3Drafter | MedusaDrafter
 
 PROMPT_SOURCES = ("builtin", "stdlib", "eval_data")
 
@@ -63,6 +72,8 @@ class ReportConfig:
     """Tree nodes per verify forward, root included (0 leaves the tree out)."""
     draft_model: str | None = None
     """Small draft model (HF causal LM sharing the tokenizer) measured beside the drafter; missing path: skipped."""
+    compare: list[str] = field(default_factory=list)
+    """Other drafter checkpoints (any method) measured in the same run, e.g. the shipped EAGLE-3 beside Medusa."""
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     """Batch sizes to measure."""
     temperatures: list[float] = field(default_factory=lambda: [0.0])
@@ -130,29 +141,46 @@ def report_prompts(
     return prompts, "eval_data samples cut before their first loss token"
 
 
+def method_of(drafter: Drafter) -> str:
+    return "eagle3" if isinstance(drafter, Eagle3Drafter) else "medusa"
+
+
 def candidates(
-    drafter: Eagle3Drafter, cfg: ReportConfig, size=None, log: Callable[[str], None] = print
+    drafters: list[Drafter], cfg: ReportConfig, size=None, log: Callable[[str], None] = print
 ) -> list[Candidate]:
-    """The report's proposers; ``size(make) -> k`` picks a chain length (None: chain_k)."""
+    """The report's proposers for each drafter (and the draft model); ``size(make) -> k`` picks a chain length
+    (None: chain_k, or a Medusa drafter's number of heads when fewer)."""
     out = []
 
-    def chain_k(make) -> int:
-        return size(make) if size is not None and cfg.chain_from_cost_curve else cfg.chain_k
+    def chain_k(make, longest: int) -> int:
+        return size(make, longest) if size is not None and cfg.chain_from_cost_curve else longest
 
-    if cfg.chain_k:
-        k = chain_k(lambda n: Eagle3Proposer(drafter, k=n))
-        out.append(Candidate("eagle3", f"chain {k}", lambda: Eagle3Proposer(drafter, k=k)))
-    if cfg.tree_total_tokens:
-        out.append(Candidate("eagle3", cfg.tree_name, lambda: Eagle3Proposer(drafter, tree=cfg.tree)))
+    for drafter in drafters:
+        if isinstance(drafter, Eagle3Drafter):
+            if cfg.chain_k:
+                k = chain_k(lambda n, d=drafter: Eagle3Proposer(d, k=n), cfg.chain_k)
+                out.append(Candidate("eagle3", f"chain {k}", lambda d=drafter, k=k: Eagle3Proposer(d, k=k)))
+            if cfg.tree_total_tokens:
+                out.append(Candidate("eagle3", cfg.tree_name, lambda d=drafter: Eagle3Proposer(d, tree=cfg.tree)))
+            continue
+        heads = drafter.config.num_heads
+        if cfg.chain_k:
+            k = chain_k(lambda n, d=drafter: MedusaProposer(d, k=n), min(cfg.chain_k, heads))
+            out.append(Candidate("medusa", f"chain {k}", lambda d=drafter, k=k: MedusaProposer(d, k=k)))
+        paths = [tuple(p) for p in drafter.config.tree_paths]
+        if paths:
+            name = f"static tree n{len(paths) + 1}"
+            out.append(Candidate("medusa", name, lambda d=drafter, p=paths: MedusaProposer(d, paths=p)))
     if cfg.draft_model:
         if not (Path(cfg.draft_model) / "config.json").exists():
             log(f"report: no draft model at {cfg.draft_model}; its rows are left out")
             return out
         from transformers import AutoModelForCausalLM
 
-        draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=torch.float32).to(drafter.fc.weight.device)
+        device = next(drafters[0].parameters()).device
+        draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=torch.float32).to(device)
         if cfg.chain_k:
-            dk = chain_k(lambda n: DraftModelProposer(draft, k=n))
+            dk = chain_k(lambda n: DraftModelProposer(draft, k=n), cfg.chain_k)
             out.append(Candidate("draft model", f"chain {dk}", lambda: DraftModelProposer(draft, k=dk)))
         if cfg.tree_total_tokens:
             out.append(Candidate("draft model", cfg.tree_name, lambda: DraftModelProposer(draft, tree=cfg.tree)))
@@ -161,7 +189,7 @@ def candidates(
 
 def run_report(
     target: TargetModel,
-    drafter: Eagle3Drafter,
+    drafter: Drafter,
     tokenizer,
     cfg: ReportConfig,
     out_dir: str | Path,
@@ -169,11 +197,13 @@ def run_report(
     notes: str = "",
     log: Callable[[str], None] = print,
 ) -> list[dict]:
-    """Measure and write report.json / report.md into ``out_dir``; returns the result rows."""
+    """Measure ``drafter`` (and ``cfg.compare``) and write report.json / report.md into ``out_dir``; returns the
+    result rows."""
     prompts, prompt_set = report_prompts(cfg, tokenizer, target, eval_set)
     if not prompts:
         raise ValueError(f"report: the prompt set ({prompt_set}) gave no prompts")
-    drafter = drafter.to(target.device).eval()
+    drafters = [drafter.to(target.device).eval()]
+    drafters += [load_drafter(path, target, tokenizer).eval() for path in cfg.compare]
     log(
         f"report: {len(prompts)} prompts ({prompt_set}), up to {cfg.max_new_tokens} new tokens (stop at EOS), "
         f"T {cfg.temperatures}, bs {cfg.batch_sizes}"
@@ -182,14 +212,14 @@ def run_report(
     prepare_target(target, log)  # before sizing: the cost curve must see the kernels the measurement uses
     sizing = []
 
-    def size(make) -> int:
-        k, account = size_chain(target, make, [p.ids for p in prompts], cfg.chain_k, eos, log)
+    def size(make, longest: int) -> int:
+        k, account = size_chain(target, make, [p.ids for p in prompts], longest, eos, log)
         sizing.append(account)
         return k
 
     rows = measure(
         target,
-        candidates(drafter, cfg, size, log),
+        candidates(drafters, cfg, size, log),
         prompts,
         eos,
         temperatures=tuple(cfg.temperatures),
@@ -199,6 +229,37 @@ def run_report(
     )
     if sizing:
         notes = f"{notes} Chains sized on this machine: " + "; ".join(sizing) + "."
-    write_report(out_dir, "eagle3", str(target.name_or_path), rows, prompt_set=prompt_set, notes=notes.strip())
+    method = method_of(drafter)
+    write_report(out_dir, method, str(target.name_or_path), rows, prompt_set=prompt_set, notes=notes.strip())
     log(f"report written to {out_dir}/report.md")
     return rows
+
+
+@dataclass
+class ReportOnlyConfig:
+    target: TargetConfig | None = None
+    """Target to measure against (None: the checkpoint's target_name and aux ids)."""
+    report: ReportConfig = field(default_factory=ReportConfig)
+
+
+def report_main(argv: list[str], recipe_cls: type) -> None:
+    """``report --drafter DIR [--config FILE] [overrides]``: measure any checkpoint (any method) with the verify
+    runtime. ``--config`` reads a recipe of ``recipe_cls`` (its target, eval_data and report sections)."""
+    args, drafter_dir = list(argv), None
+    if "--drafter" in args:
+        i = args.index("--drafter")
+        drafter_dir, args = args[i + 1], args[:i] + args[i + 2 :]
+    recipe = any(a == "--config" or a.startswith("--config=") for a in args)
+    cfg = parse_cli(recipe_cls if recipe else ReportOnlyConfig, args)
+    drafter_dir = drafter_dir or cfg.report.drafter_dir or (cfg.train.output_dir if recipe else None)
+    if drafter_dir is None:
+        raise SystemExit("report mode needs --drafter DIR (or --config with train.output_dir / report.drafter_dir)")
+    _, info = read_checkpoint(drafter_dir)
+    target_cfg = cfg.target or TargetConfig(name_or_path=info.target_name)
+    if target_cfg.aux_layer_ids is None and info.aux_layer_ids:
+        target_cfg.aux_layer_ids = info.aux_layer_ids
+    tokenizer = load_tokenizer(target_cfg.name_or_path)
+    target = TargetModel.from_config(target_cfg)
+    drafter = load_drafter(drafter_dir, target, tokenizer)
+    eval_set = build_dataset(cfg.eval_data, tokenizer)[0] if recipe and cfg.eval_data is not None else None
+    run_report(target, drafter, tokenizer, cfg.report, cfg.report.output_dir or drafter_dir, eval_set)

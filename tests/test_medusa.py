@@ -1,0 +1,292 @@
+"""Medusa heads: model, checkpoint block and loader, exports, loss targets, tree choice, proposer, recipe."""
+
+import itertools
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from infer.generate import generate_speculative, generate_vanilla
+from infer.medusa_proposer import MedusaProposer
+from infer.sampling import SamplingParams
+from infer.tree_search import best_rank_paths, expected_accepted
+from models.checkpoint import read_checkpoint
+from models.eagle3 import Eagle3Drafter, read_checkpoint_config
+from models.export import (
+    medusa_original_state_dict,
+    medusa_vllm_config,
+    medusa_vllm_state_dict,
+    save_medusa_original,
+    save_medusa_vllm,
+)
+from models.loader import load_drafter
+from models.medusa import MedusaConfig, MedusaDrafter
+from models.target import TargetModel
+from tests.conftest import ROOT, tiny_llama
+from train.losses import medusa_head_targets, rank_hits
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_fresh_heads_are_the_target_head_and_blocks_are_distinct(tiny_target, shared):
+    heads = MedusaDrafter.from_target(tiny_target, num_heads=3, num_layers=2, shared_head=shared)
+    h = torch.randn(5, tiny_target.hidden_size)
+    want = tiny_target.lm_head(h)
+    for k in range(3):  # zero-initialised ResBlocks: every head starts as exactly the target's head
+        torch.testing.assert_close(heads.head_logits(k, h), want)
+    torch.testing.assert_close(heads.predict(h), want.expand(3, -1, -1))
+    # 3 heads x 2 layers of their own (the reference code's `[ResBlock] * L` would share one module per head)
+    linears = [res.linear for block in heads.blocks for res in block]
+    assert len({id(m.weight) for m in linears}) == 6
+    with torch.no_grad():
+        heads.blocks[0][0].linear.weight.fill_(0.1)
+    assert not torch.equal(heads.head_logits(0, h), want) and torch.equal(heads.head_logits(1, h), want)
+    trainable = sum(p.numel() for p in heads.parameters())
+    H, V = tiny_target.hidden_size, tiny_target.vocab_size
+    assert trainable == 6 * (H * H + H) + (0 if shared else 3 * V * H)
+
+
+def _trained_like(heads: MedusaDrafter, seed: int = 0) -> MedusaDrafter:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return heads
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_checkpoint_round_trips_bit_exactly_and_the_loader_picks_the_class(tiny_target, tmp_path, shared):
+    heads = _trained_like(MedusaDrafter.from_target(tiny_target, num_heads=2, shared_head=shared))
+    heads.config.tree_paths = [[0], [1], [0, 0]]
+    heads.save_pretrained(tmp_path)
+    raw, info = read_checkpoint(tmp_path)
+    assert info.method == "medusa" and info.aux_layer_ids == [] and raw["tree_paths"] == [[0], [1], [0, 0]]
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert any(k.startswith("lm_heads.") for k in saved) != shared  # a shared head is the target's: not saved
+    loaded = load_drafter(tmp_path, tiny_target)
+    assert isinstance(loaded, MedusaDrafter) and loaded.config == heads.config
+    for (k, a), (k2, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    h = torch.randn(3, tiny_target.hidden_size)
+    assert torch.equal(heads.predict(h), loaded.predict(h))
+    with pytest.raises(ValueError, match="not an eagle3 checkpoint"):
+        read_checkpoint_config(tmp_path)
+    with pytest.raises(ValueError, match="not a medusa checkpoint"):
+        other = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=16)
+        other.save_pretrained(tmp_path / "e3")
+        MedusaDrafter.from_pretrained(tmp_path / "e3", tiny_target)
+    assert isinstance(load_drafter(tmp_path / "e3", tiny_target), Eagle3Drafter)
+
+
+def test_a_mismatching_target_is_refused_before_weights_are_read(tiny_target, tmp_path):
+    MedusaDrafter.from_target(tiny_target, num_heads=2).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")  # never read: the check comes first
+    with pytest.raises(ValueError, match="hidden size: drafter trained for 32, target has 48"):
+        load_drafter(tmp_path, TargetModel(tiny_llama(hidden=48)))
+
+
+def test_exports_follow_the_vllm_and_original_key_maps(tiny_target, tmp_path):
+    heads = _trained_like(MedusaDrafter.from_target(tiny_target, num_heads=2, num_layers=2, shared_head=True))
+    H, V = tiny_target.hidden_size, tiny_target.vocab_size
+    vllm = medusa_vllm_state_dict(heads)
+    want = {f"blocks.{h}.layers.{j}.{w}" for h in range(2) for j in range(2) for w in ("weight", "bias")}
+    assert set(vllm) == want | {"lm_heads.0.weight", "lm_heads.1.weight"}
+    assert vllm["blocks.1.layers.0.weight"].shape == (H, H) and vllm["lm_heads.1.weight"].shape == (V, H)
+    assert torch.equal(vllm["lm_heads.0.weight"], tiny_target.lm_head.weight)  # the shared head, written per head
+    cfg = medusa_vllm_config(heads)
+    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 2 and cfg["num_hidden_layers"] == 2
+    assert cfg["medusa_fc_bias"] is True and cfg["original_lm_head"] is False and cfg["vocab_size"] == V
+    original = medusa_original_state_dict(heads)
+    assert set(original) == {f"{h}.{j}.linear.{w}" for h in range(2) for j in range(2) for w in ("weight", "bias")} | {
+        "0.2.weight",
+        "1.2.weight",
+    }
+    assert torch.equal(original["1.0.linear.bias"], heads.blocks[1][0].linear.bias)
+    save_medusa_vllm(heads, tmp_path / "vllm")
+    save_medusa_original(heads, tmp_path / "orig")
+    assert set(load_file(str(tmp_path / "vllm" / "model.safetensors"))) == set(vllm)
+    assert set(load_file(str(tmp_path / "orig" / "medusa_lm_head.safetensors"))) == set(original)
+    meta = json.loads((tmp_path / "orig" / "config.json").read_text())
+    assert meta["medusa_num_heads"] == 2 and meta["medusa_num_layers"] == 2
+
+
+def test_head_k_is_trained_on_token_t_plus_2_plus_k_where_that_token_is_a_loss_token():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    positions, labels = medusa_head_targets(ids, mask, head=0)
+    assert positions.tolist() == [[False, True, True, True, False, False]]
+    assert labels[positions].tolist() == [13, 14, 15]
+    positions, labels = medusa_head_targets(ids, mask, head=2)
+    assert positions.tolist() == [[True, True, False, False, False, False]] and labels[positions].tolist() == [14, 15]
+    # packed rows: a label from the next sample is never a target
+    sample_ids = torch.tensor([[0, 0, 0, 0, 1, 1]])
+    positions, _ = medusa_head_targets(ids, mask, head=0, sample_ids=sample_ids)
+    assert positions.tolist() == [[False, True, False, False, False, False]]
+    logits = torch.tensor([[0.1, 0.9, 0.5], [0.8, 0.1, 0.5], [0.2, 0.3, 0.1]])
+    assert rank_hits(logits, torch.tensor([1, 2, 0]), 3).tolist() == [1, 2, 0]  # ranks 0, 1, 1
+
+
+def test_the_tree_is_the_most_valuable_set_of_rank_paths():
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.05], [0.4, 0.1, 0.05]]
+    paths = best_rank_paths(acc, 5)
+    assert paths[0] == (0,) and all(p[:-1] in paths or len(p) == 1 for p in paths)  # prefix-closed
+    # brute force over every prefix-closed set of 5 paths: none is worth more
+    every = [p for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)]
+    best = 0.0
+    for subset in itertools.combinations(every, 5):
+        if all(len(p) == 1 or p[:-1] in subset for p in subset):
+            best = max(best, expected_accepted(acc, list(subset)))
+    assert expected_accepted(acc, paths) == pytest.approx(best)
+    assert expected_accepted(acc, [(0,), (0, 0)]) == pytest.approx(0.6 + 0.3)
+    assert best_rank_paths(acc, 0) == [] and len(best_rank_paths(acc, 100)) == 3 + 9 + 27
+
+
+class _OracleHeads(MedusaDrafter):
+    """Stand-in heads with exactly known acceptance: head k proposes the token the target will emit k+1 steps after
+    the root (read from a precomputed greedy answer), except every ``miss``-th call, where head 0 is wrong."""
+
+    def __init__(self, target: TargetModel, answer: list[int], prompt_len: int, miss: int) -> None:
+        super().__init__(MedusaConfig(target.hidden_size, target.vocab_size, num_heads=3, shared_head=True))
+        self.answer, self.prompt_len, self.miss, self.calls = answer, prompt_len, miss, 0
+        self.contexts: list[list[int]] = []
+
+    def predict(self, last_hidden: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+        self.calls += 1
+        V, depth = self.config.vocab_size, depth or self.config.num_heads
+        logits = torch.zeros(depth, last_hidden.shape[0], V)
+        emitted = len(self.contexts[0]) - self.prompt_len  # tokens generated so far, the root included
+        for k in range(depth):
+            tok = self.answer[min(emitted + k, len(self.answer) - 1)]
+            if k == 0 and self.calls % self.miss == 0:
+                tok = (tok + 1) % V
+            logits[k, 0, tok] = 1.0
+        return logits
+
+
+def test_medusa_chain_is_greedy_identical_and_accepts_what_the_oracle_gets_right(tiny_target):
+    prompt, params = [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=24)
+    answer = generate_vanilla(tiny_target, [prompt], params).tokens[0]
+    oracle = _OracleHeads(tiny_target, answer, len(prompt), miss=3)
+    proposer = MedusaProposer(oracle, k=3)
+    original = proposer.propose
+
+    def propose(contexts, p, g):
+        oracle.contexts = contexts
+        return original(contexts, p, g)
+
+    proposer.propose = propose
+    res = generate_speculative(tiny_target, proposer, [prompt], params)
+    assert res.tokens[0] == answer
+    # every third round head 0 misses (the round emits the bonus only); the others accept all 3 drafts + the bonus
+    emitted, rounds = 0, 0
+    while emitted < len(answer):
+        rounds += 1
+        emitted += 1 if rounds % 3 == 0 else 4
+    assert res.stats.rounds == rounds
+    assert res.stats.attempted_at_depth[0] == rounds and res.stats.accepted_at_depth[0] == rounds - rounds // 3
+    assert res.stats.accepted_at_depth[1] == res.stats.accepted_at_depth[2] == rounds - rounds // 3
+
+
+def test_trained_like_heads_keep_greedy_and_sampled_decoding_lossless(tiny_target):
+    heads = _trained_like(MedusaDrafter.from_target(tiny_target, num_heads=3, shared_head=False), seed=3)
+    prompt, params = [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_new_tokens=30)
+    want = generate_vanilla(tiny_target, [prompt, prompt[:4]], params).tokens
+    paths = best_rank_paths([[0.5, 0.2], [0.4, 0.2], [0.3, 0.1]], 6)
+    for proposer in (MedusaProposer(heads, k=3), MedusaProposer(heads, paths=paths), MedusaProposer(heads, k=1)):
+        got = generate_speculative(tiny_target, proposer, [prompt, prompt[:4]], params).tokens
+        assert got == want
+    # a one-token prompt has no cached token yet: the first round drafts nothing and still decodes correctly
+    assert (
+        generate_speculative(tiny_target, MedusaProposer(heads, k=2), [[7]], params).tokens
+        == generate_vanilla(tiny_target, [[7]], params).tokens
+    )
+
+
+def medusa_args(root, out, *extra: str) -> list[str]:
+    """The shipped Medusa-1 recipe on `tiny_recipe`'s target and data (raw text), sized to run in seconds."""
+    return [
+        "--config",
+        str(ROOT / "recipes" / "smollm2-135m" / "medusa1.yaml"),
+        f"target.name_or_path={root / 'target'}",
+        "target.device=cpu",
+        f"data.path={root / 'train.jsonl'}",
+        "data.format=text",
+        "data.max_length=96",
+        f"data.cache_dir={root / 'hf-cache'}",
+        f"eval_data.path={root / 'heldout.jsonl'}",
+        "eval_data.format=text",
+        "eval_data.max_length=96",
+        f"eval_data.cache_dir={root / 'hf-cache'}",
+        f"train.output_dir={out}",
+        "train.features=offline",
+        f"train.features_dir={out / 'features'}",
+        "train.mixed_precision=fp32",
+        "train.batch_size=2",
+        "train.lr=3e-3",
+        "train.log_every=2",
+        "train.eval_samples=4",
+        "train.epochs=1",
+        "train.save_every=0",
+        "heads.tree_nodes=5",
+        "heads.tree_ranks=2",
+        "report.prompt_source=eval_data",
+        "report.prompts=2",
+        "report.prompt_tokens=24",
+        "report.max_new_tokens=10",
+        "report.chain_from_cost_curve=false",
+        "report.draft_model=null",
+        "report.compare=[]",
+        "report.temperatures=[0.0, 1.0]",
+        *extra,
+    ]
+
+
+@pytest.mark.integration
+def test_medusa1_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp_path, capsys):
+    import train.medusa as recipe
+
+    out = tmp_path / "run"
+    recipe.main(medusa_args(tiny_recipe, out, "train.max_steps=4"))
+    printed = capsys.readouterr().out
+    assert "heads: 3 x 1 ResBlock, shared lm_head" in printed and "offline cache" in printed
+    for name in ("config.json", "model.safetensors", "report.json", "export-vllm/config.json", "state/step.json"):
+        assert (out / name).exists(), name
+    assert (out / "export-medusa" / "medusa_lm_head.safetensors").exists()
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    steps = [r for r in log if "step" in r]
+    assert [r["step"] for r in steps] == [2, 4] and len(steps[-1]["acc"]) == 3
+    assert len(steps[-1]["eval/rank_acc"]) == 3 and len(steps[-1]["eval/rank_acc"][0]) == 2
+    raw, info = read_checkpoint(out)
+    assert info.method == "medusa" and 1 <= len(raw["tree_paths"]) <= 5
+    report = json.loads((out / "report.json").read_text())
+    rows = [r for r in report["results"] if r["proposer"] == "medusa"]
+    greedy = [r for r in rows if r["temperature"] == 0.0]
+    assert {r["setting"].split(" n")[0] for r in greedy} == {"chain 3", "static tree"}
+    assert all(r["greedy_identical"] == 1.0 for r in greedy)
+    first = load_file(str(out / "model.safetensors"))
+    assert any(first[k].abs().sum() > 0 for k in first if k.endswith("linear.weight"))  # trained away from zero
+
+    # resume with more steps; then the report mode on the checkpoint, beside an EAGLE-3 drafter of the same target
+    recipe.main(medusa_args(tiny_recipe, out, "train.max_steps=6", "report.enabled=false"))
+    assert "resumed at step 4" in capsys.readouterr().out
+    target = TargetModel.from_config(recipe.TargetConfig(name_or_path=str(tiny_recipe / "target"), device="cpu"))
+    Eagle3Drafter.from_target(target, draft_vocab_size=32).save_pretrained(tmp_path / "e3")
+    recipe.main(
+        [
+            "report",
+            "--drafter",
+            str(out),
+            "report.prompt_source=stdlib",
+            "report.prompts=2",
+            "report.max_new_tokens=8",
+            "report.chain_k=2",
+            "report.chain_from_cost_curve=false",
+            "report.tree_total_tokens=0",
+            "report.draft_model=null",
+            f"report.compare=[{tmp_path / 'e3'}]",
+            f"report.output_dir={tmp_path / 'rep'}",
+        ]
+    )
+    rows = json.loads((tmp_path / "rep" / "report.json").read_text())["results"]
+    assert {r["proposer"] for r in rows} >= {"medusa", "eagle3", "prompt lookup"}
+    assert all(r["greedy_identical"] == 1.0 for r in rows if r["proposer"] in ("medusa", "eagle3"))

@@ -1,0 +1,188 @@
+"""Training-loop pieces every drafter recipe shares (EAGLE-3, Medusa): the ``train`` config block, the accelerator
+and its log, explicit epoch sharding, the step schedule, the feature source, and the metrics log.
+
+Data sharding is explicit: every epoch is one seeded permutation of the samples, cut into global batches of
+world × batch_size; rank r takes its slice of each, so resuming at micro-batch m replays nothing and skips nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from models.target import TargetModel
+from train.data import collate
+from train.features import (
+    FEATURE_DTYPES,
+    FeatureCache,
+    cache_is_valid,
+    cache_key,
+    collate_features,
+    write_feature_cache,
+)
+from train.optim import mixed_precision
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str
+    """Checkpoint, exports, logs, resumable state and report go here."""
+    features: str = "online"
+    """"online": a target forward per batch; "offline": features cached to disk once, then read every epoch."""
+    features_dir: str | None = None
+    """Offline cache directory (default <output_dir>/features); any recipe on the same target and data may share one."""
+    feature_dtype: str = "bfloat16"
+    """Dtype of cached features ("bfloat16", "float16", "float32")."""
+    epochs: float = 10.0
+    """Passes over the training samples (SpecForge 10; fractions allowed)."""
+    max_steps: int | None = None
+    """Cap on optimizer steps (None: epochs decide)."""
+    max_train_samples: int | None = None
+    """Train on a seeded random subset of N samples (None: all)."""
+    batch_size: int = 1
+    """Samples per rank per micro-batch (SpecForge 1)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    lr: float = 1e-4
+    """Peak learning rate (SpecForge 1e-4)."""
+    warmup_ratio: float = 0.015
+    """Share of steps of linear warm-up (SpecForge 1.5 %)."""
+    min_lr_ratio: float = 0.0
+    """Cosine decays to min_lr_ratio · lr."""
+    weight_decay: float = 0.0
+    """AdamW weight decay on matrices (SpecForge 0)."""
+    grad_clip: float = 0.5
+    """Max gradient norm (SpecForge 0.5)."""
+    mixed_precision: str = "auto"
+    """"auto" (bf16 on CUDA / bf16-capable CPUs, else fp32), "bf16" or "fp32"."""
+    seed: int = 0
+    log_every: int = 10
+    """Optimizer steps between log lines (loss and top-1 accuracy per step / head)."""
+    eval_every: int = 0
+    """Optimizer steps between held-out evaluations (simulated τ); 0 = only at the end."""
+    eval_samples: int = 64
+    """Held-out samples per evaluation."""
+    save_every: int = 0
+    """Optimizer steps between resumable states; 0 = only at the end."""
+    log_with: str | None = None
+    """Accelerate tracker ("tensorboard", "wandb", ...); None: stdout + <output_dir>/train_log.jsonl only."""
+    export: bool = True
+    """Also write the serving engines' formats next to the checkpoint."""
+
+    def __post_init__(self) -> None:
+        if self.features not in ("online", "offline"):
+            raise ValueError(f"features must be 'online' or 'offline', got {self.features!r}")
+        if self.feature_dtype not in FEATURE_DTYPES:
+            raise ValueError(f"feature_dtype must be one of {list(FEATURE_DTYPES)}")
+        if self.mixed_precision not in ("auto", "bf16", "fp32"):
+            raise ValueError("mixed_precision must be 'auto', 'bf16' or 'fp32'")
+        if self.epochs <= 0 or self.batch_size < 1 or self.grad_accum < 1 or self.lr <= 0:
+            raise ValueError("need epochs > 0, batch_size >= 1, grad_accum >= 1, lr > 0")
+        if not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("warmup_ratio must be in [0, 1) and min_lr_ratio in [0, 1]")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1 or None")
+
+
+def make_accelerator(tc: TrainConfig) -> tuple[Accelerator, Callable[[str], None]]:
+    """The run's Accelerator and a ``log`` that prints on the main process only."""
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=mixed_precision(tc.mixed_precision),
+        log_with=tc.log_with,
+        project_dir=tc.output_dir,
+    )
+
+    def log(msg: str) -> None:
+        if accelerator.is_main_process:
+            print(msg, flush=True)
+
+    log(
+        f"world {accelerator.num_processes} ({accelerator.distributed_type}), precision {accelerator.mixed_precision}, "
+        f"device {accelerator.device}, threads/rank {torch.get_num_threads()}"
+    )
+    return accelerator, log
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    # one permutation per epoch, not per micro-batch: O(N) each, and the 8B recipes' N is ~1e6 (read-only result)
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+
+
+def epoch_batch(num_samples: int, micro: int, per_epoch: int, seed: int, rank: int, world: int, bs: int) -> list[int]:
+    """Sample indices of this rank's micro-batch number ``micro`` (global batches of world·bs, seeded per epoch)."""
+    epoch, g = divmod(micro, per_epoch)
+    start = g * world * bs + rank * bs
+    return _epoch_order(num_samples, seed, epoch)[start : start + bs].tolist()
+
+
+def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def schedule(tc: TrainConfig, num_samples: int, world: int) -> tuple[int, int, int]:
+    """(micro-batches per epoch per rank, optimizer steps, warm-up steps); the remainder of an epoch is dropped on
+    every rank alike."""
+    per_epoch = num_samples // (world * tc.batch_size)
+    if per_epoch == 0:
+        raise SystemExit(f"{num_samples} samples are fewer than one global batch ({world} x {tc.batch_size})")
+    total_steps = int(tc.epochs * per_epoch) // tc.grad_accum
+    total_steps = min(total_steps, tc.max_steps or total_steps)
+    warmup = max(1, round(tc.warmup_ratio * total_steps)) if tc.warmup_ratio else 0
+    return per_epoch, total_steps, warmup
+
+
+def check_sharding(accelerator: Accelerator, tc: TrainConfig, num_samples: int, per_epoch: int) -> dict:
+    """Every rank's first-epoch samples, gathered: raises if two ranks would train on the same sample."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine = torch.tensor(
+        [
+            i
+            for m in range(per_epoch)
+            for i in epoch_batch(num_samples, m, per_epoch, tc.seed, rank, world, tc.batch_size)
+        ]
+    )
+    every = accelerator.gather(mine.to(accelerator.device)).cpu()
+    sharding = {
+        "world": world,
+        "distributed_type": str(accelerator.distributed_type),
+        "samples_per_rank": len(mine),
+        "distinct_over_ranks": int(every.unique().numel()),
+        "total_over_ranks": int(every.numel()),
+    }
+    if sharding["distinct_over_ranks"] != sharding["total_over_ranks"]:
+        raise RuntimeError(f"ranks would train on overlapping samples: {sharding}")
+    return sharding
+
+
+def feature_source(
+    accelerator: Accelerator, tc: TrainConfig, target: TargetModel, train_set, pad_id: int, log
+) -> tuple[object, Callable]:
+    """(samples, collate function): the tokenized set (online: a target forward per batch) or the offline cache,
+    written first when missing or stale (its key covers target, data and dtype)."""
+    if tc.features != "offline":
+        return train_set, collate
+    cache_dir = Path(tc.features_dir or Path(tc.output_dir) / "features")
+    key = cache_key(target, train_set._fingerprint, tc.feature_dtype, len(train_set))
+    if not cache_is_valid(cache_dir, key):
+        write_feature_cache(accelerator, target, train_set, cache_dir, key, tc.feature_dtype, pad_id=pad_id, log=log)
+    log(f"features: offline cache {cache_dir} ({len(train_set)} samples)")
+    return FeatureCache(cache_dir), collate_features
+
+
+def record(accelerator: Accelerator, tc: TrainConfig, metrics: dict, log) -> None:
+    """One metrics line: stdout, <output_dir>/train_log.jsonl (appended) and the tracker, main process only."""
+    log(json.dumps(metrics))
+    if not accelerator.is_main_process:
+        return
+    with open(Path(tc.output_dir) / "train_log.jsonl", "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    if tc.log_with and "step" in metrics:
+        accelerator.log({n: v for n, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["step"])

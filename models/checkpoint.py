@@ -25,6 +25,8 @@ METHODS = ("eagle3", "medusa")
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+TARGET_DIR = "target"
+"""Sub-folder of a jointly trained drafter's checkpoint holding the target's changed weights (adapter or full)."""
 
 
 @dataclass
@@ -49,6 +51,9 @@ class TargetInfo:
     """HF architectures of the target (informational; exports name the verifier with them)."""
     method: str = "eagle3"
     """Which drafter family wrote the checkpoint (one of METHODS)."""
+    target_weights: str | None = None
+    """Joint training changed the target: "lora" (a peft adapter in ``<checkpoint>/target``) or "full" (the whole
+    target there). None: the drafter runs on the unchanged target. `models.loader.load_target` applies it."""
     version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -56,6 +61,8 @@ class TargetInfo:
             raise ValueError(f"unknown drafter method {self.method!r}; known: {list(METHODS)}")
         if self.version > FORMAT_VERSION:
             raise ValueError(f"checkpoint format version {self.version} is newer than this code ({FORMAT_VERSION})")
+        if self.target_weights not in (None, "lora", "full"):
+            raise ValueError(f"target_weights must be null, 'lora' or 'full', got {self.target_weights!r}")
         if self.aux_layer_convention != AUX_LAYER_CONVENTION:
             raise ValueError(
                 f"aux_layer_convention {self.aux_layer_convention!r} is not {AUX_LAYER_CONVENTION!r}; convert the ids "

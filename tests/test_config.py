@@ -15,6 +15,7 @@ METHOD_CONFIGS = {
     "eagle3": ("train.eagle3", "Eagle3RecipeConfig"),
     "draft_model": ("train.draft_model", "DraftModelRecipe"),
     "medusa1": ("train.medusa", "MedusaRecipeConfig"),
+    "medusa2": ("train.medusa", "MedusaRecipeConfig"),
 }
 
 

@@ -290,3 +290,50 @@ def test_medusa1_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tm
     rows = json.loads((tmp_path / "rep" / "report.json").read_text())["results"]
     assert {r["proposer"] for r in rows} >= {"medusa", "eagle3", "prompt lookup"}
     assert all(r["greedy_identical"] == 1.0 for r in rows if r["proposer"] in ("medusa", "eagle3"))
+
+
+def test_lambda0_schedules_start_after_the_heads_warm_up():
+    from train.medusa import JointConfig
+
+    const = JointConfig(lambda0=0.2, heads_warmup_steps=3)
+    assert [const.lambda0_at(s) for s in (0, 2, 3, 10)] == [0.0, 0.0, 0.2, 0.2]
+    linear = JointConfig(lambda0=0.2, lambda0_schedule="linear", lambda0_warmup_steps=4)
+    assert [round(linear.lambda0_at(s), 3) for s in (0, 1, 3, 9)] == [0.05, 0.1, 0.2, 0.2]
+    sine = JointConfig(lambda0=0.2, lambda0_schedule="sine", lambda0_warmup_steps=2)
+    assert sine.lambda0_at(0) == pytest.approx(0.2 * 2**-0.5) and sine.lambda0_at(5) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="lambda0_schedule"):
+        JointConfig(lambda0_schedule="cosine")
+
+
+@pytest.mark.integration
+def test_medusa2_trains_the_target_with_the_heads_and_the_checkpoint_loads_as_one(tiny_recipe, tmp_path, capsys):
+    import train.medusa as recipe
+    from models.loader import load_target
+    from models.target import TargetConfig
+
+    joint = ["target.mode=joint", "train.features=online", "joint.heads_warmup_steps=2", "joint.lm_loss=kl"]
+    out = tmp_path / "lora"
+    recipe.main(
+        medusa_args(tiny_recipe, out, *joint, "target.lora_rank=4", "train.max_steps=4", "report.temperatures=[0.0]")
+    )
+    printed = capsys.readouterr().out
+    assert "joint with the target (LoRA r4)" in printed and "LM loss" in printed and "top-1 agreement" in printed
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    before = next(r for r in log if "before/lm_loss" in r)
+    assert before["before/agreement"] == 1.0  # the original agrees with itself
+    last = [r for r in log if "eval/agreement" in r][-1]
+    assert 0.0 <= last["eval/agreement"] <= 1.0 and last["lm_loss"] >= 0.0
+    assert [r["lambda0"] for r in log if "lambda0" in r] == [0.0, 0.2]  # steps 2 (heads warm-up) and 4
+    assert (out / "target" / "adapter_config.json").exists() and read_checkpoint(out)[1].target_weights == "lora"
+    base_cfg = TargetConfig(name_or_path=str(tiny_recipe / "target"), device="cpu")
+    base, changed = TargetModel.from_config(base_cfg), load_target(out, base_cfg)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    assert not torch.allclose(base(ids).logits, changed(ids).logits)  # the adapter trained and is applied
+    rows = json.loads((out / "report.json").read_text())["results"]
+    assert all(r["greedy_identical"] == 1.0 for r in rows if r["proposer"] == "medusa")
+
+    # full fine-tuning: the whole target is saved with the heads; during the heads warm-up it does not move
+    out = tmp_path / "full"
+    recipe.main(medusa_args(tiny_recipe, out, *joint, "train.max_steps=2", "report.enabled=false"))
+    assert read_checkpoint(out)[1].target_weights == "full" and (out / "target" / "config.json").exists()
+    assert torch.equal(load_target(out, base_cfg)(ids).logits, base(ids).logits)

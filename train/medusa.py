@@ -1,6 +1,7 @@
-"""Train Medusa heads on a frozen target (Medusa-1), then measure them with the verify runtime.
+"""Train Medusa heads on a frozen target (Medusa-1) or together with it (Medusa-2), then measure them.
 
     python train/medusa.py --config recipes/smollm2-135m/medusa1.yaml [key=value ...]
+    python train/medusa.py --config recipes/smollm2-135m/medusa2.yaml [key=value ...]    # joint: LoRA or full
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml train/medusa.py --config ...   # 2 CPU ranks
     python train/medusa.py report --drafter DIR [--config recipe.yaml] [report.prompts=8 ...]   # any checkpoint
 
@@ -9,11 +10,21 @@ EAGLE-3 recipe on the same target and data) → loop (Σ_k w^k CE_k on the assis
 t+2+k from the final-norm hidden state at t; AdamW + warm-up + cosine, grad clip) with held-out top-k accuracy per
 head → static tree chosen from those accuracies under a node budget → checkpoint + vLLM / original exports →
 τ / speedup report beside prompt lookup, the small draft model and the drafters in ``report.compare``.
+
+Medusa-2 (``target.mode: joint``, Cai et al. 2024 §2.3.2): loss = L_LM + λ0 · Σ_k w^k L_k, the heads trained alone
+for ``joint.heads_warmup_steps`` first, λ0 warmed up (constant / linear / sine), the heads' learning rate ×
+``joint.head_lr_multiplier``; L_LM is the cross-entropy on the data or (``joint.lm_loss: kl``) the KL from the
+original target's next-token distribution (self-distillation, which keeps the target's outputs). Quality guard: the
+held-out LM loss and the top-1 agreement with the original target, before and after, logged and in the report.
+The checkpoint carries the target's changes (a LoRA adapter or the full weights, ``<out>/target``); the report and
+`models.loader.load_target` apply them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,16 +35,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
+from torch import nn  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from infer.tree_search import best_rank_paths, expected_accepted  # noqa: E402
+from models.checkpoint import TARGET_DIR  # noqa: E402
 from models.config import parse_cli, save_config  # noqa: E402
 from models.export import save_medusa_original, save_medusa_vllm  # noqa: E402
+from models.loader import load_target  # noqa: E402
 from models.medusa import MedusaDrafter  # noqa: E402
 from models.target import TargetConfig, TargetModel, load_tokenizer  # noqa: E402
 from train.checkpoint import load_training_state, save_training_state  # noqa: E402
 from train.data import DataConfig, build_dataset, collate  # noqa: E402
-from train.features import final_hidden  # noqa: E402
+from train.features import final_hidden, target_forward  # noqa: E402
 from train.loop import (  # noqa: E402
     TrainConfig,
     check_sharding,
@@ -75,6 +89,46 @@ class HeadsConfig:
 
 
 @dataclass
+class JointConfig:
+    """Medusa-2 (read when target.mode is "joint"; full fine-tuning, or LoRA with target.lora_rank > 0)."""
+
+    lambda0: float = 0.2
+    """Weight of the heads' loss next to the LM loss (Medusa-2: 0.2)."""
+    lambda0_schedule: str = "constant"
+    """Warm-up of λ0 after the heads warm-up: "constant", "linear" or "sine" over lambda0_warmup_steps."""
+    lambda0_warmup_steps: int = 0
+    heads_warmup_steps: int = 0
+    """Optimizer steps in which only the heads train (the target runs without gradients) before joint training."""
+    head_lr_multiplier: float = 4.0
+    """The heads' learning rate relative to the target's (Medusa-2: 4)."""
+    lm_loss: str = "ce"
+    """"ce": cross-entropy on the data's tokens; "kl": KL(original target ‖ trained target) on the next-token
+    distribution (self-distillation: the trained target is pulled towards its own original outputs)."""
+
+    def __post_init__(self) -> None:
+        if self.lambda0_schedule not in ("constant", "linear", "sine"):
+            raise ValueError("lambda0_schedule must be 'constant', 'linear' or 'sine'")
+        if self.lm_loss not in ("ce", "kl"):
+            raise ValueError("lm_loss must be 'ce' or 'kl'")
+        if self.lambda0 < 0 or self.lambda0_warmup_steps < 0 or self.heads_warmup_steps < 0:
+            raise ValueError("need lambda0 >= 0 and warm-up steps >= 0")
+        if self.head_lr_multiplier <= 0:
+            raise ValueError("head_lr_multiplier must be > 0")
+
+    def lambda0_at(self, step: int) -> float:
+        """λ0 at optimizer step ``step`` (0 during the heads warm-up, where the LM loss is off too)."""
+        s = step - self.heads_warmup_steps
+        if s < 0:
+            return 0.0
+        ramp = 1.0 if self.lambda0_warmup_steps == 0 else min(1.0, (s + 1) / self.lambda0_warmup_steps)
+        if self.lambda0_schedule == "linear":
+            return self.lambda0 * ramp
+        if self.lambda0_schedule == "sine":
+            return self.lambda0 * math.sin(0.5 * math.pi * ramp)
+        return self.lambda0
+
+
+@dataclass
 class MedusaRecipeConfig:
     target: TargetConfig
     """The frozen target (Medusa-1)."""
@@ -85,19 +139,18 @@ class MedusaRecipeConfig:
     eval_data: DataConfig | None = None
     """Held-out data for per-head accuracy, the simulated τ and the static tree (None: no tree)."""
     report: ReportConfig = field(default_factory=ReportConfig)
+    joint: JointConfig = field(default_factory=JointConfig)
+    """Medusa-2 settings, used when target.mode is "joint"."""
 
     def __post_init__(self) -> None:
-        if self.target.mode != "frozen":
-            raise ValueError("train/medusa.py trains Medusa-1 heads on a frozen target (target.mode: frozen)")
+        if self.target.mode == "joint" and self.train.features == "offline":
+            raise ValueError("joint training changes the target's features every step: use train.features=online")
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def head_losses(model, hidden: torch.Tensor, batch: dict, num_heads: int, weight: float) -> dict:
-    """Σ_k weight^k · CE_k, head k on the positions it is trained on (its label a loss token). ``model`` may be the
-    distributed wrapper: all heads run in one forward call."""
-    targets = [medusa_head_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(num_heads)]
-    logits = model([hidden[positions] for positions, _ in targets])
-    loss = hidden.new_zeros(())
+def head_losses(logits: list[torch.Tensor], targets: list[tuple[torch.Tensor, torch.Tensor]], weight: float) -> dict:
+    """Σ_k weight^k · CE_k: head k's logits [N_k, V] at the positions of ``targets[k]`` (`medusa_head_targets`)."""
+    loss = logits[0].new_zeros((), dtype=torch.float32)
     correct, count = [], []
     for k, ((positions, labels), head_logits) in enumerate(zip(targets, logits)):
         want, n = labels[positions], positions.sum()
@@ -105,6 +158,60 @@ def head_losses(model, hidden: torch.Tensor, batch: dict, num_heads: int, weight
         correct.append((head_logits.detach().argmax(-1) == want).sum())
         count.append(n)
     return {"loss": loss, "correct": torch.stack(correct), "count": torch.stack(count)}
+
+
+class JointMedusa(nn.Module):
+    """Target + heads as one module (Medusa-2): one optimizer and one distributed wrapper see both."""
+
+    def __init__(self, target: TargetModel, heads: MedusaDrafter) -> None:
+        super().__init__()
+        self.target, self.heads = target, heads
+
+    def forward(self, batch: dict, head_positions: list[torch.Tensor], lm_positions, train_target: bool):
+        """(LM logits at ``lm_positions`` [N, V], head k's logits at ``head_positions[k]``); the target runs
+        without a graph while ``train_target`` is off (heads warm-up)."""
+        with torch.set_grad_enabled(train_target and torch.is_grad_enabled()):
+            hidden = target_forward(self.target, batch, logits=False).last_hidden
+        return self.target.lm_head(hidden[lm_positions]), self.heads([hidden[p] for p in head_positions])
+
+
+def original_of(target: TargetModel) -> TargetModel | None:
+    """The unchanged target for the quality guard and KL: a frozen copy for full fine-tuning; None with LoRA (the
+    adapter is switched off instead, see `original_logits`)."""
+    return None if target.lora_rank else TargetModel(copy.deepcopy(target.hf_model), name_or_path=target.name_or_path)
+
+
+@torch.no_grad()
+def original_logits(target: TargetModel, original: TargetModel | None, batch: dict) -> torch.Tensor:
+    if original is not None:
+        return target_forward(original, batch).logits
+    with target.model.disable_adapter():
+        return target_forward(target, batch).logits
+
+
+@torch.no_grad()
+def quality(accelerator, target, original, eval_set, cfg: MedusaRecipeConfig, pad_id: int) -> dict:
+    """Held-out LM loss of the (trained) target on the loss tokens, and its top-1 agreement with the original."""
+    was_training = target.training
+    target.eval()
+    loss, agree, count = (torch.zeros((), device=accelerator.device) for _ in range(3))
+    n = min(len(eval_set), cfg.train.eval_samples)
+    mine = list(range(accelerator.process_index, n, accelerator.num_processes))
+    for s in range(0, len(mine), cfg.train.batch_size):
+        batch = to_device(
+            collate([eval_set[i] for i in mine[s : s + cfg.train.batch_size]], pad_id), accelerator.device
+        )
+        positions, labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)  # token t+1
+        logits = target_forward(target, batch).logits[positions].float()
+        loss += F.cross_entropy(logits, labels[positions], reduction="sum")
+        agree += (logits.argmax(-1) == original_logits(target, original, batch)[positions].argmax(-1)).sum()
+        count += positions.sum()
+    loss, agree, count = (accelerator.reduce(x, "sum") for x in (loss, agree, count))
+    target.train(was_training)
+    return {
+        "eval/lm_loss": round(float(loss / count.clamp(min=1)), 4),
+        "eval/agreement": round(float(agree / count.clamp(min=1)), 4),
+    }
 
 
 @torch.no_grad()
@@ -167,21 +274,34 @@ def main(argv: list[str]) -> None:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "recipe.yaml")
 
-    # ---- heads
+    # ---- heads (and, for Medusa-2, the target that trains with them)
+    joint, jc = cfg.target.mode == "joint", cfg.joint
     if hc.init_from:
         log(f"heads: continuing from {hc.init_from}")
-        model = MedusaDrafter.from_pretrained(hc.init_from, target, tokenizer)
+        heads = MedusaDrafter.from_pretrained(hc.init_from, target, tokenizer)
     else:
-        model = MedusaDrafter.from_target(target, hc.num_heads, hc.num_layers, hc.shared_head, tokenizer)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        heads = MedusaDrafter.from_target(target, hc.num_heads, hc.num_layers, hc.shared_head, tokenizer)
+    trainable = sum(p.numel() for p in heads.parameters() if p.requires_grad)
     log(
         f"heads: {hc.num_heads} x {hc.num_layers} ResBlock, {'shared' if hc.shared_head else 'per-head'} lm_head, "
         f"{trainable / 1e6:.1f} M trainable parameters"
+        + (
+            f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
+            if joint
+            else ""
+        )
     )
     samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
+    original = original_of(target) if joint else None
+    before = quality(accelerator, target, original, eval_set, cfg, pad_id) if joint and eval_set is not None else {}
 
     # ---- optimizer, schedule, resume
-    optimizer = adamw(model, tc.lr, tc.weight_decay)
+    if joint:
+        model = JointMedusa(target, heads)
+        optimizer = adamw(model, tc.lr, tc.weight_decay, lr_scales={heads: jc.head_lr_multiplier})
+    else:
+        model = heads
+        optimizer = adamw(model, tc.lr, tc.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     per_epoch, total_steps, warmup = schedule(tc, len(samples), world)
     counters = load_training_state(accelerator, out) or {"step": 0}
@@ -191,26 +311,47 @@ def main(argv: list[str]) -> None:
         f"{tc.grad_accum} accum x {world} ranks), warm-up {warmup}" + (f"; resumed at step {step}" if step else "")
     )
     record(accelerator, tc, {"sharding": check_sharding(accelerator, tc, len(samples), per_epoch)}, log)
+    if before:
+        record(accelerator, tc, {"step": 0, **{f"before/{k.split('/')[1]}": v for k, v in before.items()}}, log)
 
     # ---- loop
-    heads = accelerator.unwrap_model(model)
     K = hc.num_heads
-    stats = torch.zeros(2 + 2 * K, device=accelerator.device)  # loss sum, micro-batches, correct_k, count_k
+    stats = torch.zeros(3 + 2 * K, device=accelerator.device)  # loss, LM loss, micro-batches, correct_k, count_k
     tokens, t_loop, micro, last_eval = 0, time.time(), step * tc.grad_accum, {}
     bar = tqdm(total=total_steps, initial=step, desc="medusa", disable=not accelerator.is_main_process)
     while step < total_steps:
         ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size)
         batch = to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device)
-        hidden = final_hidden(target, batch).to(next(heads.parameters()).dtype)
         sync = (micro + 1) % tc.grad_accum == 0
+        targets = [medusa_head_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)]
         with contextlib.nullcontext() if sync else accelerator.no_sync(model), accelerator.autocast():
-            res = head_losses(model, hidden, batch, K, hc.head_weight)
-            accelerator.backward(res["loss"] / tc.grad_accum)
-        stats += torch.cat([res["loss"].detach().reshape(1), stats.new_ones(1), res["correct"], res["count"]])
+            lm_loss = torch.zeros((), device=accelerator.device)
+            if joint:
+                train_target = step >= jc.heads_warmup_steps
+                lm_pos, lm_labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)
+                lm_logits, head_logits = model(batch, [p for p, _ in targets], lm_pos, train_target)
+                if train_target and jc.lm_loss == "kl":
+                    want = original_logits(target, original, batch)[lm_pos].float().log_softmax(-1)
+                    lm_loss = F.kl_div(lm_logits.float().log_softmax(-1), want, log_target=True, reduction="batchmean")
+                elif train_target:
+                    lm_loss = F.cross_entropy(lm_logits.float(), lm_labels[lm_pos])
+                weight = jc.lambda0_at(step) if train_target else 1.0
+            else:
+                hidden = final_hidden(target, batch).to(next(heads.parameters()).dtype)
+                head_logits, weight = model([hidden[p] for p, _ in targets]), 1.0
+            res = head_losses(head_logits, targets, hc.head_weight)
+            loss = lm_loss + weight * res["loss"]
+            accelerator.backward(loss / tc.grad_accum)
+        stats += torch.cat(
+            [loss.detach().reshape(1), lm_loss.detach().reshape(1), stats.new_ones(1), res["correct"], res["count"]]
+        )
         tokens += int(batch["attention_mask"].sum())
         micro += 1
         if not sync:
             continue
+        if joint and step < jc.heads_warmup_steps:
+            for p in target.parameters():  # a shared head is the target's: it waits for the joint phase too
+                p.grad = None
         set_lr(optimizer, warmup_cosine(step, total_steps, warmup, tc.lr, tc.min_lr_ratio))
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
         optimizer.step()
@@ -222,15 +363,20 @@ def main(argv: list[str]) -> None:
             total = accelerator.reduce(stats, "sum")
             metrics = {
                 "step": step,
-                "loss": float(total[0] / total[1]),
-                "acc": [round(a, 4) for a in (total[2 : 2 + K] / total[2 + K :].clamp(min=1)).tolist()],
+                "loss": float(total[0] / total[2]),
+                "acc": [round(a, 4) for a in (total[3 : 3 + K] / total[3 + K :].clamp(min=1)).tolist()],
                 "lr": optimizer.param_groups[0]["lr"],
                 "grad_norm": float(grad_norm),
                 "tokens_per_s": round(tokens * world / (time.time() - t_loop), 1),
             }
+            if joint:
+                metrics.update(lm_loss=float(total[1] / total[2]), lambda0=jc.lambda0_at(step - 1))
             if do_eval:
                 last_eval = evaluate(accelerator, target, heads, eval_set, cfg, pad_id)
                 metrics.update({k: v for k, v in last_eval.items() if k != "tree_paths"})
+                if joint:
+                    last_eval.update(quality(accelerator, target, original, eval_set, cfg, pad_id))
+                    metrics.update({k: last_eval[k] for k in ("eval/lm_loss", "eval/agreement")})
             record(accelerator, tc, metrics, log)
             stats.zero_()
         if tc.save_every and step % tc.save_every == 0 and step < total_steps:
@@ -238,7 +384,7 @@ def main(argv: list[str]) -> None:
     bar.close()
     train_s = time.time() - t_loop
 
-    # ---- save: resumable state, checkpoint with its static tree, engine exports
+    # ---- save: resumable state, the target's changes (Medusa-2), checkpoint with its static tree, engine exports
     save_training_state(accelerator, out, {"step": step})
     accelerator.end_training()
     if not accelerator.is_main_process:
@@ -246,6 +392,9 @@ def main(argv: list[str]) -> None:
     heads.config.tree_paths = last_eval.get("tree_paths", [])
     if heads.config.tree_paths:
         log(f"static tree: {len(heads.config.tree_paths)} nodes, expected τ {last_eval['eval/tree_expected_tau']:.2f}")
+    if joint:  # the target's changes first: a checkpoint whose config.json exists is complete
+        (target.model if target.lora_rank else target.hf_model).save_pretrained(out / TARGET_DIR)
+        heads.target_info.target_weights = "lora" if target.lora_rank else "full"
     heads.save_pretrained(out)
     if tc.export:
         save_medusa_vllm(heads, out / "export-vllm")
@@ -253,19 +402,21 @@ def main(argv: list[str]) -> None:
     log(
         f"saved {out} (+ exports) after {train_s / 60:.1f} min of training, {(time.time() - t_start) / 60:.1f} min total"
     )
-
-    # ---- report: τ and speedup in the verify runtime on held-out prompts
-    if cfg.report.enabled:
-        run_report(
-            target,
-            heads,
-            tokenizer,
-            cfg.report,
-            out,
-            eval_set,
-            notes=f"Medusa-1 heads trained {step} steps ({train_s / 60:.1f} min, world {world}).",
-            log=log,
+    notes = f"Medusa-{2 if joint else 1} heads trained {step} steps ({train_s / 60:.1f} min, world {world})."
+    if joint and before and "eval/lm_loss" in last_eval:
+        notes += (
+            f" Target quality on held-out answers, before → after joint training: LM loss {before['eval/lm_loss']:.4f}"
+            f" → {last_eval['eval/lm_loss']:.4f}, top-1 agreement with the original {before['eval/agreement']:.4f}"
+            f" → {last_eval['eval/agreement']:.4f}."
         )
+        log(notes)
+
+    # ---- report: τ and speedup in the verify runtime on held-out prompts (a joint target as it will be served)
+    if cfg.report.enabled:
+        if joint:
+            target = load_target(out, cfg.target)
+            heads = MedusaDrafter.from_pretrained(out, target, tokenizer)
+        run_report(target, heads, tokenizer, cfg.report, out, eval_set, notes=notes, log=log)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,23 @@ from models.target import cpu_bf16_is_fast
 
 
 def adamw(
-    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    lr_scales: dict[nn.Module, float] | None = None,
 ) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; norms and biases (1-D) never decay."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """AdamW over the trainable parameters; norms and biases (1-D) never decay. ``lr_scales``: sub-modules whose
+    parameters train at ``lr_scale`` times the schedule's rate (kept by `set_lr`)."""
+    scale_of = {id(p): s for m, s in (lr_scales or {}).items() for p in m.parameters()}
+    groups = []
+    for scale in sorted({scale_of.get(id(p), 1.0) for p in model.parameters()}):
+        params = [p for p in model.parameters() if p.requires_grad and scale_of.get(id(p), 1.0) == scale]
+        for decayed in (True, False):
+            chosen = [p for p in params if (p.dim() >= 2) == decayed]
+            if chosen:
+                wd = weight_decay if decayed else 0.0
+                groups.append({"params": chosen, "weight_decay": wd, "lr_scale": scale, "lr": lr * scale})
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
@@ -30,8 +40,9 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int, peak_lr: float
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group to ``lr`` times its ``lr_scale`` (1 unless set, e.g. Medusa-2's heads at 4x the target's)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def mixed_precision(choice: str) -> str:

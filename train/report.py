@@ -27,7 +27,7 @@ from infer.tree_search import DynamicTreeConfig
 from models.checkpoint import read_checkpoint
 from models.config import parse_cli
 from models.eagle3 import Eagle3Drafter
-from models.loader import load_drafter
+from models.loader import load_drafter, load_target
 from models.medusa import MedusaDrafter
 from models.target import TargetConfig, TargetModel, load_tokenizer
 from train.data import build_dataset
@@ -259,7 +259,7 @@ def report_main(argv: list[str], recipe_cls: type) -> None:
     if target_cfg.aux_layer_ids is None and info.aux_layer_ids:
         target_cfg.aux_layer_ids = info.aux_layer_ids
     tokenizer = load_tokenizer(target_cfg.name_or_path)
-    target = TargetModel.from_config(target_cfg)
+    target = load_target(drafter_dir, target_cfg)  # with the changes of a jointly trained target applied
     drafter = load_drafter(drafter_dir, target, tokenizer)
     eval_set = build_dataset(cfg.eval_data, tokenizer)[0] if recipe and cfg.eval_data is not None else None
     run_report(target, drafter, tokenizer, cfg.report, cfg.report.output_dir or drafter_dir, eval_set)

@@ -285,11 +285,16 @@ def test_medusa1_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tm
             "report.draft_model=null",
             f"report.compare=[{tmp_path / 'e3'}]",
             f"report.output_dir={tmp_path / 'rep'}",
+            "report.typical_acceptance=true",
         ]
     )
     rows = json.loads((tmp_path / "rep" / "report.json").read_text())["results"]
     assert {r["proposer"] for r in rows} >= {"medusa", "eagle3", "prompt lookup"}
-    assert all(r["greedy_identical"] == 1.0 for r in rows if r["proposer"] in ("medusa", "eagle3"))
+    exact = [r for r in rows if r["proposer"] in ("medusa", "eagle3") and not r["lossy"]]
+    assert exact and all(r["greedy_identical"] == 1.0 for r in exact)
+    typical = [r for r in rows if "typical" in r["setting"]]
+    assert typical and all(r["lossy"] and r["proposer"] == "medusa" for r in typical)
+    assert "(lossy)" in (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_lambda0_schedules_start_after_the_heads_warm_up():

@@ -26,28 +26,30 @@ import datasets  # noqa: E402
 import torch  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
 
-from models.config import parse_cli, save_config, to_dict  # noqa: E402
+from models.config import parse_cli, to_dict  # noqa: E402
 from models.eagle3 import Eagle3Drafter  # noqa: E402
 from models.export import save_sglang, save_speculators  # noqa: E402
-from models.target import TargetConfig, TargetModel, load_tokenizer  # noqa: E402
+from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import load_training_state, save_training_state  # noqa: E402
-from train.data import DataConfig, build_dataset, collate  # noqa: E402
+from train.data import DataConfig  # noqa: E402
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage  # noqa: E402
 from train.features import attention_masks, target_signals  # noqa: E402
 from train.loop import (  # noqa: E402
+    Progress,
     TrainConfig,
     check_sharding,
     epoch_batch,
+    eval_batches,
     feature_source,
+    load_target_and_data,
     make_accelerator,
     record,
     schedule,
     to_device,
 )
 from train.losses import eagle3_ttt_loss, simulated_tau  # noqa: E402
-from train.optim import adamw, set_lr, warmup_cosine  # noqa: E402
+from train.optim import adamw  # noqa: E402
 from train.report import ReportConfig, report_main, run_report  # noqa: E402
 from train.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled  # noqa: E402
 
@@ -128,14 +130,9 @@ def build_drafter(
 def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pad_id: int) -> dict:
     """Teacher-forced top-1 agreement per TTT step on held-out samples (sharded, summed over ranks) → simulated τ."""
     model = accelerator.unwrap_model(drafter).eval()
-    n = min(len(eval_set), cfg.train.eval_samples)
     correct = torch.zeros(cfg.drafter.ttt_steps, device=accelerator.device)
     count = torch.zeros_like(correct)
-    mine = list(range(accelerator.process_index, n, accelerator.num_processes))
-    for s in range(0, len(mine), cfg.train.batch_size):
-        batch = to_device(
-            collate([eval_set[i] for i in mine[s : s + cfg.train.batch_size]], pad_id), accelerator.device
-        )
+    for batch in eval_batches(accelerator, cfg.train, eval_set, pad_id):
         aux, target_logits = target_signals(target, batch)
         allowed, positions, sample_ids = attention_masks(batch)
         with accelerator.autocast():
@@ -162,31 +159,17 @@ def main(argv: list[str]) -> None:
     t_start = time.time()
 
     # ---- target, tokenizer, data
-    tokenizer = load_tokenizer(cfg.target.name_or_path, cfg.target.trust_remote_code)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    target = TargetModel.from_config(cfg.target)
-    with accelerator.main_process_first():
-        if cfg.stdlib_corpus_dir and accelerator.is_main_process:
-            from train.data import build_stdlib_samples
+    def write_corpus(tokenizer) -> None:
+        from train.data import build_stdlib_samples
 
-            for split in ("train", "heldout"):
-                if not (Path(cfg.stdlib_corpus_dir) / f"stdlib_{split}_text.jsonl").exists():
-                    log(
-                        f"reference corpus ({split}): {build_stdlib_samples(tokenizer, split, out_dir=cfg.stdlib_corpus_dir)}"
-                    )
-        train_set, summary = build_dataset(cfg.data, tokenizer)
-        eval_set = build_dataset(cfg.eval_data, tokenizer)[0] if cfg.eval_data is not None else None
-    prompt_pool = train_set  # self-distillation draws its prompts from the whole split, not the subset below
-    # a seeded random subset: the corpus is in file order, its head is a few modules
-    if tc.max_train_samples is not None:
-        train_set = train_set.shuffle(seed=tc.seed).select(range(min(tc.max_train_samples, len(train_set))))
-    log(
-        f"data: {summary['kept']} samples kept of {summary['rows']} ({summary['loss_tokens']:,} loss tokens), "
-        f"skipped { ({k: v for k, v in summary['skipped'].items() if v}) }; training on {len(train_set)}"
-    )
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "recipe.yaml")
+        for split in ("train", "heldout"):
+            if not (Path(cfg.stdlib_corpus_dir) / f"stdlib_{split}_text.jsonl").exists():
+                log(
+                    f"reference corpus ({split}): {build_stdlib_samples(tokenizer, split, out_dir=cfg.stdlib_corpus_dir)}"
+                )
+
+    prepare = write_corpus if cfg.stdlib_corpus_dir else None
+    tokenizer, pad_id, target, prompt_pool, train_set, eval_set = load_target_and_data(cfg, accelerator, log, prepare)
     if cfg.self_distill.samples:
         if cfg.data.packing:
             raise SystemExit("self_distill adds unpacked samples; it cannot be combined with data.packing")
@@ -226,10 +209,9 @@ def main(argv: list[str]) -> None:
     # ---- training-time-test loop
     model = accelerator.unwrap_model(drafter)
     k = cfg.drafter.ttt_steps
-    stats = torch.zeros(2 + 2 * k, device=accelerator.device)  # loss sum, micro-batches, correct_i, count_i
-    tokens, t_loop, micro = 0, time.time(), step * tc.grad_accum
-    bar = tqdm(total=total_steps, initial=step, desc="eagle3", disable=not accelerator.is_main_process)
-    while step < total_steps:
+    progress = Progress(accelerator, tc, total_steps, warmup, step, k, "eagle3")
+    micro = step * tc.grad_accum
+    while progress.step < total_steps:
         ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size)
         batch = to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device)
         aux, target_logits = target_signals(target, batch)
@@ -241,37 +223,20 @@ def main(argv: list[str]) -> None:
                 logits, target_logits, batch["loss_mask"], model.t2d, sample_ids, cfg.drafter.step_weight
             )
             accelerator.backward(res.loss / tc.grad_accum)
-        stats += torch.cat([res.loss.detach().reshape(1), stats.new_ones(1), res.step_correct, res.step_count])
-        tokens += int(batch["attention_mask"].sum())
+        progress.add(res.loss, res.step_correct, res.step_count, int(batch["attention_mask"].sum()))
         micro += 1
         if not sync:
             continue
-        set_lr(optimizer, warmup_cosine(step, total_steps, warmup, tc.lr, tc.min_lr_ratio))
-        grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        bar.update(1)
-        do_eval = eval_set is not None and (step == total_steps or (tc.eval_every and step % tc.eval_every == 0))
-        if step % tc.log_every == 0 or step == total_steps or do_eval:
-            total = accelerator.reduce(stats, "sum")  # collective: every rank reaches it at the same step
-            acc = (total[2 : 2 + k] / total[2 + k :].clamp(min=1)).tolist()
-            metrics = {
-                "step": step,
-                "loss": float(total[0] / total[1]),
-                "acc": [round(a, 4) for a in acc],
-                "lr": optimizer.param_groups[0]["lr"],
-                "grad_norm": float(grad_norm),
-                "tokens_per_s": round(tokens * world / (time.time() - t_loop), 1),
-            }
+        progress.optimizer_step(drafter, optimizer)
+        do_log, do_eval = progress.due(eval_set is not None)
+        if do_log:
+            metrics = progress.metrics()
             if do_eval:
                 metrics.update(evaluate(accelerator, target, drafter, eval_set, cfg, pad_id))
             record(accelerator, tc, metrics, log)
-            stats.zero_()
-        if tc.save_every and step % tc.save_every == 0 and step < total_steps:
-            save_training_state(accelerator, out, {"step": step})
-    bar.close()
-    train_s = time.time() - t_loop
+        if progress.save_due():
+            save_training_state(accelerator, out, {"step": progress.step})
+    step, train_s = progress.step, progress.close()
 
     # ---- save: resumable state, own-format checkpoint, engine exports
     save_training_state(accelerator, out, {"step": step})

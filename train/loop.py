@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from tqdm.auto import tqdm
 
-from models.target import TargetModel
-from train.data import collate
+from models.config import save_config
+from models.target import TargetModel, load_tokenizer
+from train.data import build_dataset, collate
 from train.features import (
     FEATURE_DTYPES,
     FeatureCache,
@@ -26,7 +29,7 @@ from train.features import (
     collate_features,
     write_feature_cache,
 )
-from train.optim import mixed_precision
+from train.optim import mixed_precision, set_lr, warmup_cosine
 
 
 @dataclass
@@ -186,3 +189,119 @@ def record(accelerator: Accelerator, tc: TrainConfig, metrics: dict, log) -> Non
         f.write(json.dumps(metrics) + "\n")
     if tc.log_with and "step" in metrics:
         accelerator.log({n: v for n, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["step"])
+
+
+def load_target_and_data(cfg, accelerator: Accelerator, log, prepare: Callable[[object], None] | None = None):
+    """(tokenizer, pad id, target, the whole training split, the training subset, held-out set) of a recipe with
+    ``target``, ``data``, ``eval_data`` and ``train`` sections; ``prepare(tokenizer)`` runs first on the main
+    process (e.g. writing a corpus the data paths point into). Also writes <output_dir>/recipe.yaml."""
+    tc = cfg.train
+    tokenizer = load_tokenizer(cfg.target.name_or_path, cfg.target.trust_remote_code)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    target = TargetModel.from_config(cfg.target)
+    with accelerator.main_process_first():
+        if prepare is not None and accelerator.is_main_process:
+            prepare(tokenizer)
+        full, summary = build_dataset(cfg.data, tokenizer)
+        eval_set = build_dataset(cfg.eval_data, tokenizer)[0] if cfg.eval_data is not None else None
+    train_set = full
+    # a seeded random subset: a corpus in file order has a few sources at its head
+    if tc.max_train_samples is not None:
+        train_set = full.shuffle(seed=tc.seed).select(range(min(tc.max_train_samples, len(full))))
+    log(
+        f"data: {summary['kept']} samples kept of {summary['rows']} ({summary['loss_tokens']:,} loss tokens), "
+        f"skipped { ({k: v for k, v in summary['skipped'].items() if v}) }; training on {len(train_set)}"
+    )
+    if accelerator.is_main_process:
+        Path(tc.output_dir).mkdir(parents=True, exist_ok=True)
+        save_config(cfg, Path(tc.output_dir) / "recipe.yaml")
+    return tokenizer, pad_id, target, full, train_set, eval_set
+
+
+class Progress:
+    """The bookkeeping of a training loop: sums kept on the device and read once per log line (reading them every
+    step would sync the device), the scheduled optimizer step, when to log / evaluate / save, the metrics line.
+
+    Sums: loss, an optional second loss (``second_loss`` names it in the log), micro-batches, then correct and
+    count per position (TTT step or head)."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        tc: TrainConfig,
+        total_steps: int,
+        warmup: int,
+        step: int,
+        positions: int,
+        desc: str,
+        second_loss: str | None = None,
+    ) -> None:
+        self.accelerator, self.tc, self.total_steps, self.warmup, self.step = accelerator, tc, total_steps, warmup, step
+        self.k, self.second_loss = positions, second_loss
+        self.stats = torch.zeros(3 + 2 * positions, device=accelerator.device)
+        self.tokens, self.t_loop, self.grad_norm = 0, time.time(), 0.0
+        self.bar = tqdm(total=total_steps, initial=step, desc=desc, disable=not accelerator.is_main_process)
+
+    def add(
+        self,
+        loss: torch.Tensor,
+        correct: torch.Tensor,
+        count: torch.Tensor,
+        tokens: int,
+        second: torch.Tensor | None = None,
+    ) -> None:
+        second = torch.zeros_like(loss) if second is None else second
+        parts = [loss.detach().reshape(1), second.detach().reshape(1), self.stats.new_ones(1), correct, count]
+        self.stats += torch.cat(parts)
+        self.tokens += tokens
+
+    def optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Learning rate of this step (warm-up + cosine), gradient clipping, the update."""
+        tc = self.tc
+        set_lr(optimizer, warmup_cosine(self.step, self.total_steps, self.warmup, tc.lr, tc.min_lr_ratio))
+        self.grad_norm = float(self.accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.lr = optimizer.param_groups[0]["lr"]
+        self.step += 1
+        self.bar.update(1)
+
+    def due(self, has_eval: bool) -> tuple[bool, bool]:
+        """(log now, evaluate now) after the step just taken."""
+        tc, s = self.tc, self.step
+        do_eval = has_eval and (s == self.total_steps or bool(tc.eval_every and s % tc.eval_every == 0))
+        return s % tc.log_every == 0 or s == self.total_steps or do_eval, do_eval
+
+    def metrics(self) -> dict:
+        """The log line's training numbers since the last line (collective: every rank calls it at the same step)."""
+        total = self.accelerator.reduce(self.stats, "sum")
+        k, world = self.k, self.accelerator.num_processes
+        out = {
+            "step": self.step,
+            "loss": float(total[0] / total[2]),
+            "acc": [round(a, 4) for a in (total[3 : 3 + k] / total[3 + k :].clamp(min=1)).tolist()],
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "tokens_per_s": round(self.tokens * world / (time.time() - self.t_loop), 1),
+        }
+        if self.second_loss:
+            out[self.second_loss] = float(total[1] / total[2])
+        self.stats.zero_()
+        return out
+
+    def save_due(self) -> bool:
+        return bool(self.tc.save_every and self.step % self.tc.save_every == 0 and self.step < self.total_steps)
+
+    def close(self) -> float:
+        """Seconds spent in the loop."""
+        self.bar.close()
+        return time.time() - self.t_loop
+
+
+def eval_batches(accelerator: Accelerator, tc: TrainConfig, eval_set, pad_id: int):
+    """Collated batches of this rank's share of the first ``tc.eval_samples`` held-out samples (callers sum their
+    counts and reduce them over ranks)."""
+    n = min(len(eval_set), tc.eval_samples)
+    mine = list(range(accelerator.process_index, n, accelerator.num_processes))
+    for s in range(0, len(mine), tc.batch_size):
+        yield to_device(collate([eval_set[i] for i in mine[s : s + tc.batch_size]], pad_id), accelerator.device)

@@ -36,30 +36,32 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from torch import nn  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
 
 from infer.tree_search import best_rank_paths, expected_accepted  # noqa: E402
 from models.checkpoint import TARGET_DIR  # noqa: E402
-from models.config import parse_cli, save_config  # noqa: E402
+from models.config import parse_cli  # noqa: E402
 from models.export import save_medusa_original, save_medusa_vllm  # noqa: E402
 from models.loader import load_target  # noqa: E402
 from models.medusa import MedusaDrafter  # noqa: E402
-from models.target import TargetConfig, TargetModel, load_tokenizer  # noqa: E402
+from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import load_training_state, save_training_state  # noqa: E402
-from train.data import DataConfig, build_dataset, collate  # noqa: E402
+from train.data import DataConfig  # noqa: E402
 from train.features import final_hidden, target_forward  # noqa: E402
 from train.loop import (  # noqa: E402
+    Progress,
     TrainConfig,
     check_sharding,
     epoch_batch,
+    eval_batches,
     feature_source,
+    load_target_and_data,
     make_accelerator,
     record,
     schedule,
     to_device,
 )
 from train.losses import medusa_head_targets, rank_hits, simulated_tau  # noqa: E402
-from train.optim import adamw, set_lr, warmup_cosine  # noqa: E402
+from train.optim import adamw  # noqa: E402
 from train.report import ReportConfig, report_main, run_report  # noqa: E402
 
 
@@ -195,12 +197,7 @@ def quality(accelerator, target, original, eval_set, cfg: MedusaRecipeConfig, pa
     was_training = target.training
     target.eval()
     loss, agree, count = (torch.zeros((), device=accelerator.device) for _ in range(3))
-    n = min(len(eval_set), cfg.train.eval_samples)
-    mine = list(range(accelerator.process_index, n, accelerator.num_processes))
-    for s in range(0, len(mine), cfg.train.batch_size):
-        batch = to_device(
-            collate([eval_set[i] for i in mine[s : s + cfg.train.batch_size]], pad_id), accelerator.device
-        )
+    for batch in eval_batches(accelerator, cfg.train, eval_set, pad_id):
         positions, labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)  # token t+1
         logits = target_forward(target, batch).logits[positions].float()
         loss += F.cross_entropy(logits, labels[positions], reduction="sum")
@@ -222,11 +219,7 @@ def evaluate(accelerator, target, model: MedusaDrafter, eval_set, cfg: MedusaRec
     K, R = model.config.num_heads, cfg.heads.tree_ranks
     hits = torch.zeros(K, R, device=accelerator.device)
     count = torch.zeros(K, device=accelerator.device)
-    n = min(len(eval_set), cfg.train.eval_samples)
-    mine = list(range(accelerator.process_index, n, accelerator.num_processes))
-    bs = cfg.train.batch_size
-    for s in range(0, len(mine), bs):
-        batch = to_device(collate([eval_set[i] for i in mine[s : s + bs]], pad_id), accelerator.device)
+    for batch in eval_batches(accelerator, cfg.train, eval_set, pad_id):
         hidden = final_hidden(target, batch)
         for k in range(K):
             positions, labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], k)
@@ -258,21 +251,7 @@ def main(argv: list[str]) -> None:
     t_start = time.time()
 
     # ---- target, tokenizer, data
-    tokenizer = load_tokenizer(cfg.target.name_or_path, cfg.target.trust_remote_code)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    target = TargetModel.from_config(cfg.target)
-    with accelerator.main_process_first():
-        train_set, summary = build_dataset(cfg.data, tokenizer)
-        eval_set = build_dataset(cfg.eval_data, tokenizer)[0] if cfg.eval_data is not None else None
-    if tc.max_train_samples is not None:
-        train_set = train_set.shuffle(seed=tc.seed).select(range(min(tc.max_train_samples, len(train_set))))
-    log(
-        f"data: {summary['kept']} samples kept of {summary['rows']} ({summary['loss_tokens']:,} loss tokens), "
-        f"skipped { ({k: v for k, v in summary['skipped'].items() if v}) }; training on {len(train_set)}"
-    )
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "recipe.yaml")
+    tokenizer, pad_id, target, _, train_set, eval_set = load_target_and_data(cfg, accelerator, log)
 
     # ---- heads (and, for Medusa-2, the target that trains with them)
     joint, jc = cfg.target.mode == "joint", cfg.joint
@@ -316,18 +295,17 @@ def main(argv: list[str]) -> None:
 
     # ---- loop
     K = hc.num_heads
-    stats = torch.zeros(3 + 2 * K, device=accelerator.device)  # loss, LM loss, micro-batches, correct_k, count_k
-    tokens, t_loop, micro, last_eval = 0, time.time(), step * tc.grad_accum, {}
-    bar = tqdm(total=total_steps, initial=step, desc="medusa", disable=not accelerator.is_main_process)
-    while step < total_steps:
+    progress = Progress(accelerator, tc, total_steps, warmup, step, K, "medusa", "lm_loss" if joint else None)
+    micro, last_eval = step * tc.grad_accum, {}
+    while progress.step < total_steps:
         ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size)
         batch = to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device)
         sync = (micro + 1) % tc.grad_accum == 0
         targets = [medusa_head_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)]
+        train_target = joint and progress.step >= jc.heads_warmup_steps
         with contextlib.nullcontext() if sync else accelerator.no_sync(model), accelerator.autocast():
             lm_loss = torch.zeros((), device=accelerator.device)
             if joint:
-                train_target = step >= jc.heads_warmup_steps
                 lm_pos, lm_labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)
                 lm_logits, head_logits = model(batch, [p for p, _ in targets], lm_pos, train_target)
                 if train_target and jc.lm_loss == "kl":
@@ -335,42 +313,25 @@ def main(argv: list[str]) -> None:
                     lm_loss = F.kl_div(lm_logits.float().log_softmax(-1), want, log_target=True, reduction="batchmean")
                 elif train_target:
                     lm_loss = F.cross_entropy(lm_logits.float(), lm_labels[lm_pos])
-                weight = jc.lambda0_at(step) if train_target else 1.0
             else:
                 hidden = final_hidden(target, batch).to(next(heads.parameters()).dtype)
-                head_logits, weight = model([hidden[p] for p, _ in targets]), 1.0
+                head_logits = model([hidden[p] for p, _ in targets])
             res = head_losses(head_logits, targets, hc.head_weight)
-            loss = lm_loss + weight * res["loss"]
+            loss = lm_loss + (jc.lambda0_at(progress.step) if train_target else 1.0) * res["loss"]
             accelerator.backward(loss / tc.grad_accum)
-        stats += torch.cat(
-            [loss.detach().reshape(1), lm_loss.detach().reshape(1), stats.new_ones(1), res["correct"], res["count"]]
-        )
-        tokens += int(batch["attention_mask"].sum())
+        progress.add(loss, res["correct"], res["count"], int(batch["attention_mask"].sum()), lm_loss)
         micro += 1
         if not sync:
             continue
-        if joint and step < jc.heads_warmup_steps:
+        if joint and not train_target:
             for p in target.parameters():  # a shared head is the target's: it waits for the joint phase too
                 p.grad = None
-        set_lr(optimizer, warmup_cosine(step, total_steps, warmup, tc.lr, tc.min_lr_ratio))
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        bar.update(1)
-        do_eval = eval_set is not None and (step == total_steps or (tc.eval_every and step % tc.eval_every == 0))
-        if step % tc.log_every == 0 or step == total_steps or do_eval:
-            total = accelerator.reduce(stats, "sum")
-            metrics = {
-                "step": step,
-                "loss": float(total[0] / total[2]),
-                "acc": [round(a, 4) for a in (total[3 : 3 + K] / total[3 + K :].clamp(min=1)).tolist()],
-                "lr": optimizer.param_groups[0]["lr"],
-                "grad_norm": float(grad_norm),
-                "tokens_per_s": round(tokens * world / (time.time() - t_loop), 1),
-            }
+        progress.optimizer_step(model, optimizer)
+        do_log, do_eval = progress.due(eval_set is not None)
+        if do_log:
+            metrics = progress.metrics()
             if joint:
-                metrics.update(lm_loss=float(total[1] / total[2]), lambda0=jc.lambda0_at(step - 1))
+                metrics["lambda0"] = jc.lambda0_at(progress.step - 1)
             if do_eval:
                 last_eval = evaluate(accelerator, target, heads, eval_set, cfg, pad_id)
                 metrics.update({k: v for k, v in last_eval.items() if k != "tree_paths"})
@@ -378,11 +339,9 @@ def main(argv: list[str]) -> None:
                     last_eval.update(quality(accelerator, target, original, eval_set, cfg, pad_id))
                     metrics.update({k: last_eval[k] for k in ("eval/lm_loss", "eval/agreement")})
             record(accelerator, tc, metrics, log)
-            stats.zero_()
-        if tc.save_every and step % tc.save_every == 0 and step < total_steps:
-            save_training_state(accelerator, out, {"step": step})
-    bar.close()
-    train_s = time.time() - t_loop
+        if progress.save_due():
+            save_training_state(accelerator, out, {"step": progress.step})
+    step, train_s = progress.step, progress.close()
 
     # ---- save: resumable state, the target's changes (Medusa-2), checkpoint with its static tree, engine exports
     save_training_state(accelerator, out, {"step": step})

@@ -19,7 +19,7 @@ from eval.cost_curve import size_chain
 from eval.measure import Candidate, MeasuredPrompt, measure, prepare_target, stop_ids, write_report
 from eval.prompts import CATEGORIES, builtin_prompts, encode_turns, load_prompt_file
 from infer.eagle3_proposer import Eagle3Proposer
-from infer.generate import generate_vanilla
+from infer.generate import SpecConfig, generate_vanilla
 from infer.medusa_proposer import MedusaProposer
 from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
@@ -72,6 +72,9 @@ class ReportConfig:
     """Tree nodes per verify forward, root included (0 leaves the tree out)."""
     draft_model: str | None = None
     """Small draft model (HF causal LM sharing the tokenizer) measured beside the drafter; missing path: skipped."""
+    typical_acceptance: bool = False
+    """Also measure each Medusa drafter's chain with Medusa's typical acceptance (lossy: such rows are labelled
+    "(lossy)" and have no identity check)."""
     compare: list[str] = field(default_factory=list)
     """Other drafter checkpoints (any method) measured in the same run, e.g. the shipped EAGLE-3 beside Medusa."""
     batch_sizes: list[int] = field(default_factory=lambda: [1])
@@ -167,6 +170,10 @@ def candidates(
         if cfg.chain_k:
             k = chain_k(lambda n, d=drafter: MedusaProposer(d, k=n), min(cfg.chain_k, heads))
             out.append(Candidate("medusa", f"chain {k}", lambda d=drafter, k=k: MedusaProposer(d, k=k)))
+            if cfg.typical_acceptance:
+                typical = SpecConfig(accept="typical")
+                make = lambda d=drafter, k=k: MedusaProposer(d, k=k)  # noqa: E731
+                out.append(Candidate("medusa", f"chain {k}, typical acceptance", make, typical))
         paths = [tuple(p) for p in drafter.config.tree_paths]
         if paths:
             name = f"static tree n{len(paths) + 1}"

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK_RECIPE = ROOT / "recipes" / "smollm2-135m" / "eagle3.yaml"
 SHIPPED_DRAFTER = ROOT / "models" / "smollm2_eagle3"
 SHIPPED_DATA = ROOT / "train" / "shipped_data" / "smollm2-135m-instruct"
+DRAFT_MODEL = ROOT / "outputs" / "smollm2-draft-model"
 
 
 def other_checkout(cwd: Path) -> Path | None:
@@ -53,7 +54,7 @@ def get_target(argv: list[str]) -> None:
 
 def quickstart(argv: list[str]) -> None:
     """The main job, small: get the target, answer one prompt, train a short EAGLE-3 run, measure it beside the
-    shipped drafter, prompt lookup and HF generate on held-out chat prompts."""
+    shipped drafter, prompt lookup, the small draft model and HF generate on held-out chat prompts."""
     ap = argparse.ArgumentParser(prog="drafters quickstart")
     ap.add_argument("--skip-training", action="store_true", help="no short training run (a one-minute look)")
     ap.add_argument("--prompts", type=int, default=4, help="held-out chat prompts to measure")
@@ -68,6 +69,7 @@ def quickstart(argv: list[str]) -> None:
     from eval.prompts import builtin_prompts, chat_ids
     from infer.eagle3_proposer import Eagle3Proposer
     from infer.generate import generate_vanilla
+    from infer.proposers import DraftModelProposer
     from infer.sampling import SamplingParams
     from models.eagle3 import Eagle3Drafter
     from models.target import TargetConfig, TargetModel, load_tokenizer
@@ -115,6 +117,15 @@ def quickstart(argv: list[str]) -> None:
         )
         short = Eagle3Drafter.from_pretrained(run, target, tokenizer).eval()
         candidates.append(Candidate("eagle3 (short run)", "chain 3", lambda: Eagle3Proposer(short, k=3)))
+    if DRAFT_MODEL.exists():  # built by recipes/smollm2-135m/draft_model.yaml (distilled, ~5 min)
+        from transformers import AutoModelForCausalLM
+
+        draft, how = AutoModelForCausalLM.from_pretrained(DRAFT_MODEL, dtype=torch.float32).eval(), "distilled"
+    else:  # the same cut without its distillation: instant, and still a real small model on the tokenizer
+        from train.draft_model import cut_target
+
+        draft, how = cut_target(target, 2).eval(), "not distilled"
+    candidates.append(Candidate(f"draft model (2 layers, {how})", "chain 1", lambda: DraftModelProposer(draft, k=1)))
     measured = [MeasuredPrompt(chat_ids(tokenizer, [{"role": "user", "content": p.turns[0]}]), "chat") for p in prompts]
     rows = measure(target, candidates, measured, eos, max_new_tokens=args.max_new_tokens)
     write_report(args.out, "quickstart", name, rows, prompt_set=f"built-in chat ({len(measured)})")

@@ -4,9 +4,16 @@ Decode and verification multiply a few rows (1 token, or a draft tree of 2–16)
 On this project's CPU (AMD EPYC, AVX2, 2 threads, MKL) ``F.linear`` with 2–4 rows cost ~2x one row (one row takes a
 bandwidth-bound gemv, several rows a gemm that reads the weight less efficiently). Measured on SmolLM2's 49,152 x 576
 head: F.linear 9.1 ms at 1 row and 19.2–19.7 ms at 2–4 rows; ``x @ Wᵀ`` with Wᵀ contiguous 4.9 ms at 1 row;
-``W @ xᵀ`` 5.1–5.2 ms at 2–4 rows; the 576-wide layer matrices gain 20–45 % at 2–4 rows the same way. Other CPUs
-differ, so `install` times the three layouts for every weight shape of the model and row-count bucket, then routes
-each inference call (no grad) to the winner; training calls stay on F.linear.
+``W @ xᵀ`` 5.1–5.2 ms at 2–4 rows. Other CPUs differ, so `install` times the three layouts for every weight shape of
+the model and row-count bucket, then routes each inference call (no grad) to the winner; training calls stay on
+F.linear. Three details decide whether the routing pays inside a model (SmolLM2 target step with 4 tokens: 91 ms with
+F.linear, 65 ms routed without them, 52 ms with them; 1 token 46 ms):
+
+- operands and results are made row-major: an elementwise op keeps the transposed layout of a ``W @ xᵀ`` result, and
+  MKL's gemm with a column-major [K, m] right operand ran ~4x slower (580 vs 124 µs for 576 x 1536 at 4 rows);
+- rows are zero-padded up to their bucket: 3, 6 or 12 rows measured slower than 4, 8 or 16;
+- layouts are timed on more weight copies than the L3 cache holds, so each call streams its weight from memory as
+  it does in a 538 MB model (one warm copy favoured layouts that lose inside the model).
 
 All layouts compute the same dot products; only the summation order inside MKL differs (~1e-7 relative), which is
 the rounding-level difference DESIGN.md §7 already allows between vanilla decoding and tree verification. Vanilla

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from eval.lossless import TIE_GAP, compare_greedy
+from infer.certificate import TIE_GAP, compare_greedy
 from infer.generate import GenerationStats, SpecConfig, generate_speculative, generate_vanilla
 from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.proposer import Proposer

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs
 from tqdm.auto import tqdm
 
 from models.config import save_config
@@ -93,13 +94,15 @@ class TrainConfig:
             raise ValueError("max_steps must be >= 1 or None")
 
 
-def make_accelerator(tc: TrainConfig) -> tuple[Accelerator, Callable[[str], None]]:
-    """The run's Accelerator and a ``log`` that prints on the main process only."""
+def make_accelerator(tc: TrainConfig, find_unused: bool = False) -> tuple[Accelerator, Callable[[str], None]]:
+    """The run's Accelerator and a ``log`` that prints on the main process only. ``find_unused``: some trainable
+    parameters get no gradient in some steps (Medusa-2's heads warm-up), which DDP must be told."""
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=mixed_precision(tc.mixed_precision),
         log_with=tc.log_with,
         project_dir=tc.output_dir,
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)] if find_unused else None,
     )
 
     def log(msg: str) -> None:

@@ -245,7 +245,8 @@ def main(argv: list[str]) -> None:
     cfg = parse_cli(MedusaRecipeConfig, argv)
     tc, hc = cfg.train, cfg.heads
     out = Path(tc.output_dir)
-    accelerator, log = make_accelerator(tc)
+    warmup_phase = cfg.target.mode == "joint" and cfg.joint.heads_warmup_steps > 0
+    accelerator, log = make_accelerator(tc, find_unused=warmup_phase)  # the target's parameters idle in warm-up
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(tc.seed)
     t_start = time.time()

@@ -151,13 +151,15 @@ def save_speculators(
     return _write(out_dir, speculators_config(drafter, speculative_tokens), speculators_state_dict(drafter))
 
 
-def _write(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+def _write(
+    out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor], weights_name: str = "model.safetensors"
+) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(
         {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-        str(out / "model.safetensors"),
+        str(out / weights_name),
         metadata={"format": "pt"},
     )
     return out
@@ -181,19 +183,25 @@ def medusa_vllm_config(drafter: MedusaDrafter) -> dict:
         "num_hidden_layers": cfg.num_layers,
         "medusa_fc_bias": True,
         "original_lm_head": False,
-        "torch_dtype": str(_medusa_heads(drafter)[0].dtype).removeprefix("torch."),
+        "torch_dtype": str(drafter.output_head(0).weight.dtype).removeprefix("torch."),
     }
 
 
-def medusa_vllm_state_dict(drafter: MedusaDrafter) -> dict[str, torch.Tensor]:
+def _medusa_state(drafter: MedusaDrafter, block_key: str, head_key: str) -> dict[str, torch.Tensor]:
+    """The heads' tensors under an engine's names: ``block_key`` formats (head, layer, weight|bias), ``head_key``
+    formats (head, number of layers)."""
     out = {}
     for h, block in enumerate(drafter.blocks):
         for j, res in enumerate(block):
-            out[f"blocks.{h}.layers.{j}.weight"] = res.linear.weight
-            out[f"blocks.{h}.layers.{j}.bias"] = res.linear.bias
+            out[block_key.format(h, j, "weight")] = res.linear.weight
+            out[block_key.format(h, j, "bias")] = res.linear.bias
     for h, weight in enumerate(_medusa_heads(drafter)):
-        out[f"lm_heads.{h}.weight"] = weight
+        out[head_key.format(h, drafter.config.num_layers)] = weight
     return out
+
+
+def medusa_vllm_state_dict(drafter: MedusaDrafter) -> dict[str, torch.Tensor]:
+    return _medusa_state(drafter, "blocks.{}.layers.{}.{}", "lm_heads.{}.weight")
 
 
 def save_medusa_vllm(drafter: MedusaDrafter, out_dir: str | Path) -> Path:
@@ -214,22 +222,10 @@ def medusa_original_config(drafter: MedusaDrafter) -> dict:
 
 
 def medusa_original_state_dict(drafter: MedusaDrafter) -> dict[str, torch.Tensor]:
-    out = {}
-    L = drafter.config.num_layers
-    for h, block in enumerate(drafter.blocks):
-        for j, res in enumerate(block):
-            out[f"{h}.{j}.linear.weight"] = res.linear.weight
-            out[f"{h}.{j}.linear.bias"] = res.linear.bias
-    for h, weight in enumerate(_medusa_heads(drafter)):
-        out[f"{h}.{L}.weight"] = weight
-    return out
+    return _medusa_state(drafter, "{}.{}.linear.{}", "{}.{}.weight")
 
 
 def save_medusa_original(drafter: MedusaDrafter, out_dir: str | Path) -> Path:
     """Write the original Medusa layout (config.json + medusa_lm_head.safetensors); returns the directory."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(medusa_original_config(drafter), indent=2) + "\n")
-    tensors = {k: v.detach().contiguous().cpu() for k, v in medusa_original_state_dict(drafter).items()}
-    save_file(tensors, str(out / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
-    return out
+    tensors = medusa_original_state_dict(drafter)
+    return _write(out_dir, medusa_original_config(drafter), tensors, "medusa_lm_head.safetensors")

@@ -6,6 +6,7 @@ from infer.generate import generate_speculative, generate_vanilla
 from infer.kernels import cpu_linear
 from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
+from tests.conftest import tiny_llama
 
 
 def test_both_layouts_agree_and_routing_follows_the_measured_choice():
@@ -42,11 +43,14 @@ def test_install_measures_once_and_keeps_greedy_decoding_identical(tiny_target, 
     cpu_linear.uninstall(tiny_target.model)  # a measure() in an earlier test may have installed its own choice
     before = generate_vanilla(tiny_target, [prompt], params).tokens
     forced = ("x_wt", "w_x", "w_x", "linear", "w_x")
+    monkeypatch.setattr(cpu_linear, "MEASURED", {})  # no choice measured by an earlier test
     monkeypatch.setattr(cpu_linear, "choose_layouts", lambda w, reps=5: forced)
     choices = cpu_linear.install(tiny_target.model, log=lambda m: None)
     assert choices and all(c == forced for c in choices.values())
     monkeypatch.setattr(cpu_linear, "choose_layouts", lambda w, reps=5: (_ for _ in ()).throw(AssertionError))
     assert cpu_linear.install(tiny_target.model, log=lambda m: None) is choices
+    other = tiny_llama(seed=5)  # another model of the same shapes (a fresh drafter snapshot) reuses the measurement
+    assert cpu_linear.install(other, log=lambda m: None) == choices
     try:
         assert generate_vanilla(tiny_target, [prompt], params).tokens == before
         spec = generate_speculative(tiny_target, DraftModelProposer(tiny_draft, k=3), [prompt], params)

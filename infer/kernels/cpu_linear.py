@@ -105,6 +105,11 @@ def small_rows_linear(module: nn.Linear, x: torch.Tensor, layouts: tuple[str, ..
     return y.reshape(*x.shape[:-1], module.weight.shape[0])
 
 
+MEASURED: dict[tuple[tuple[int, int], torch.dtype], tuple[str, ...]] = {}
+"""Layout choice per (weight shape, dtype) measured in this process (proposers build a fresh drafter snapshot per
+generate call, which would otherwise time the same shapes again on every call)."""
+
+
 def install(model: nn.Module, log=print) -> dict[tuple[int, int], tuple[str, ...]]:
     """Time the layouts for each weight shape of ``model``'s fp32 CPU Linear layers and route their inference
     calls accordingly. Returns the choice per shape and bucket. A second call on the same model returns the first
@@ -119,7 +124,10 @@ def install(model: nn.Module, log=print) -> dict[tuple[int, int], tuple[str, ...
             continue
         shape = tuple(module.weight.shape)
         if shape not in choices:
-            choices[shape] = choose_layouts(module.weight.detach())
+            key = (shape, module.weight.dtype)
+            if key not in MEASURED:  # timing depends on the shape only: a new model (or drafter snapshot) reuses it
+                MEASURED[key] = choose_layouts(module.weight.detach())
+            choices[shape] = MEASURED[key]
         layouts = choices[shape]
         if any(lay != "linear" for lay in layouts):
             module.forward = types.MethodType(lambda self, x, u=layouts: small_rows_linear(self, x, u), module)

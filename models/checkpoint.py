@@ -5,7 +5,7 @@ A checkpoint folder holds ``config.json`` (the method's own shape config plus a 
 against the target before any weight is read, so a drafter never runs on a target it does not fit.
 
 Methods: ``eagle3`` (models/eagle3.py, reads aux-layer taps), ``medusa`` (models/medusa.py, reads the final-norm
-hidden state). `models.loader.load_drafter` picks the class from the block.
+hidden state), ``mtp`` (models/mtp.py, reads the last layer's output before the final norm). `models.loader.load_drafter` picks the class from the block.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from models.config import from_dict
 from models.target import AUX_LAYER_CONVENTION, TargetModel, tokenizer_fingerprint
 
-METHODS = ("eagle3", "medusa")
+METHODS = ("eagle3", "medusa", "mtp")
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

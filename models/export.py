@@ -17,6 +17,17 @@ Medusa heads (key maps: REFERENCE.md, "Medusa"):
 Both carry one lm_head per head: a shared-head drafter writes the target's head under every head (the engines load
 the heads from the drafter folder, not from the target).
 
+MTP modules (key maps: REFERENCE.md, "MTP"); the shared parts (embedding, final norm, head) are copied in, since
+these layouts carry them per module:
+
+- DeepSeek-V3 / GLM: module k as decoder layer N + k (N = the target's layer count):
+  ``model.layers.{N+k}.{enorm,hnorm,eh_proj,embed_tokens,shared_head.norm,shared_head.head}`` plus the block's own
+  keys; config = the target's with ``num_nextn_predict_layers`` = D. The file holds the MTP layers only: put it
+  beside the target's shards and add its keys to the index.
+- Qwen3-Next: one module as ``mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}`` and ``mtp.layers.0.*``;
+  config ``mtp_num_hidden_layers`` 1, ``mtp_use_dedicated_embeddings`` false (the engines reuse that one module for
+  every further draft). Qwen3-Next's RMSNorms scale by (1 + w), so every norm weight is written as w - 1.
+
 Aux-layer ids are written in the engines' "before layer k" convention (ours + 1, see models/target.py).
 Each format is a pair of pure functions (config dict, state dict) so tests can check key names and shapes on a
 meta-device model, and a ``save_*`` that writes them.
@@ -32,6 +43,7 @@ from safetensors.torch import save_file
 
 from models.eagle3 import Eagle3Drafter
 from models.medusa import MedusaDrafter
+from models.mtp import MTPDrafter
 from models.target import to_before_layer_ids
 
 DEFAULT_SPECULATIVE_TOKENS = 5
@@ -229,3 +241,59 @@ def save_medusa_original(drafter: MedusaDrafter, out_dir: str | Path) -> Path:
     """Write the original Medusa layout (config.json + medusa_lm_head.safetensors); returns the directory."""
     tensors = medusa_original_state_dict(drafter)
     return _write(out_dir, medusa_original_config(drafter), tensors, "medusa_lm_head.safetensors")
+
+
+# ------------------------------------------------------------------------------------------------ MTP
+def mtp_deepseek_config(drafter: MTPDrafter) -> dict:
+    config = drafter.target.config.get_text_config().to_dict()
+    config["num_nextn_predict_layers"] = drafter.config.num_modules
+    return config
+
+
+def mtp_deepseek_state_dict(drafter: MTPDrafter) -> dict[str, torch.Tensor]:
+    target, N = drafter.target, drafter.target.num_layers
+    out = {}
+    for k, layer in enumerate(drafter.layers):
+        prefix = f"model.layers.{N + k}."
+        out.update({prefix + name: w for name, w in layer.state_dict().items() if not name.startswith("block.")})
+        out.update({prefix + name: w for name, w in layer.block.state_dict().items()})
+        # copies: each layer owns its tensors in this layout (safetensors refuses aliased ones)
+        out[prefix + "embed_tokens.weight"] = target.embed_tokens.weight.detach().clone()
+        out[prefix + "shared_head.norm.weight"] = target.final_norm.weight.detach().clone()
+        out[prefix + "shared_head.head.weight"] = target.lm_head.weight.detach().clone()
+    return out
+
+
+def save_mtp_deepseek(drafter: MTPDrafter, out_dir: str | Path) -> Path:
+    return _write(out_dir, mtp_deepseek_config(drafter), mtp_deepseek_state_dict(drafter), "model-mtp.safetensors")
+
+
+def mtp_qwen3_next_config(drafter: MTPDrafter) -> dict:
+    config = drafter.target.config.get_text_config().to_dict()
+    config.update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    return config
+
+
+def mtp_qwen3_next_state_dict(drafter: MTPDrafter, module: int = 0) -> dict[str, torch.Tensor]:
+    """Module ``module`` (0-based) of the drafter: the layout holds one (pass which one explicitly for D > 1)."""
+    layer = drafter.layers[module]
+    out = {
+        "mtp.fc.weight": layer.eh_proj.weight,
+        "mtp.pre_fc_norm_embedding.weight": layer.enorm.weight,
+        "mtp.pre_fc_norm_hidden.weight": layer.hnorm.weight,
+        "mtp.norm.weight": drafter.target.final_norm.weight,
+        **{f"mtp.layers.0.{name}": w for name, w in layer.block.state_dict().items()},
+    }
+    return {k: (w - 1 if "norm" in k.split(".")[-2] else w) for k, w in out.items()}  # enorm, q_norm, …
+
+
+def save_mtp_qwen3_next(drafter: MTPDrafter, out_dir: str | Path, module: int | None = None) -> Path:
+    """``module`` must be given when the drafter has more than one (the layout has room for one)."""
+    if module is None:
+        if drafter.config.num_modules > 1:
+            raise ValueError(
+                f"the Qwen3-Next layout holds one MTP module and this drafter has {drafter.config.num_modules}: "
+                "pass module=<0-based index>"
+            )
+        module = 0
+    return _write(out_dir, mtp_qwen3_next_config(drafter), mtp_qwen3_next_state_dict(drafter, module))

@@ -8,6 +8,7 @@ from pathlib import Path
 from models.checkpoint import TARGET_DIR, read_checkpoint
 from models.eagle3 import Eagle3Drafter
 from models.medusa import MedusaDrafter
+from models.mtp import MTPDrafter
 from models.target import TargetConfig, TargetModel
 
 
@@ -16,13 +17,15 @@ def checkpoint_method(path: str | Path) -> str:
     return read_checkpoint(path)[1].method
 
 
-def load_drafter(path: str | Path, target: TargetModel, tokenizer=None) -> Eagle3Drafter | MedusaDrafter:
+def load_drafter(path: str | Path, target: TargetModel, tokenizer=None) -> Eagle3Drafter | MedusaDrafter | MTPDrafter:
     """The drafter saved at ``path``, as its own class, checked against ``target`` before its weights are read."""
     method = checkpoint_method(path)
     if method == "eagle3":
         return Eagle3Drafter.from_pretrained(path, target, tokenizer)
     if method == "medusa":
         return MedusaDrafter.from_pretrained(path, target, tokenizer)
+    if method == "mtp":
+        return MTPDrafter.from_pretrained(path, target, tokenizer)
     raise ValueError(f"{path}: no loader for method {method!r}")
 
 

@@ -21,6 +21,7 @@ from eval.prompts import CATEGORIES, builtin_prompts, encode_turns, load_prompt_
 from infer.eagle3_proposer import Eagle3Proposer
 from infer.generate import SpecConfig, generate_vanilla
 from infer.medusa_proposer import MedusaProposer
+from infer.mtp_proposer import MTPProposer
 from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
 from infer.tree_search import DynamicTreeConfig
@@ -29,10 +30,11 @@ from models.config import parse_cli
 from models.eagle3 import Eagle3Drafter
 from models.loader import load_drafter, load_target
 from models.medusa import MedusaDrafter
+from models.mtp import MTPDrafter
 from models.target import TargetConfig, TargetModel, load_tokenizer
 from train.data import build_dataset
 
-Drafter = Eagle3Drafter | MedusaDrafter
+Drafter = Eagle3Drafter | MedusaDrafter | MTPDrafter
 
 PROMPT_SOURCES = ("builtin", "stdlib", "eval_data")
 
@@ -145,7 +147,9 @@ def report_prompts(
 
 
 def method_of(drafter: Drafter) -> str:
-    return "eagle3" if isinstance(drafter, Eagle3Drafter) else "medusa"
+    if isinstance(drafter, Eagle3Drafter):
+        return "eagle3"
+    return "mtp" if isinstance(drafter, MTPDrafter) else "medusa"
 
 
 def candidates(
@@ -165,6 +169,10 @@ def candidates(
                 out.append(Candidate("eagle3", f"chain {k}", lambda d=drafter, k=k: Eagle3Proposer(d, k=k)))
             if cfg.tree_total_tokens:
                 out.append(Candidate("eagle3", cfg.tree_name, lambda d=drafter: Eagle3Proposer(d, tree=cfg.tree)))
+            continue
+        if isinstance(drafter, MTPDrafter):  # its D modules as a chain (reuse past D and trees: not yet report rows)
+            D = drafter.config.num_modules
+            out.append(Candidate("mtp", f"chain {D}", lambda d=drafter: MTPProposer(d)))
             continue
         heads = drafter.config.num_heads
         if cfg.chain_k:

@@ -1,0 +1,176 @@
+"""MTP modules (models/mtp.py) and MTP self-speculation (infer/mtp_proposer.py): causality of each depth, checkpoint
+round trip, greedy identity in the verify runtime, and drafts equal to the teacher-forced forward's argmax."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer.generate import generate_speculative, generate_vanilla
+from infer.mtp_proposer import MTPProposer
+from infer.sampling import SamplingParams
+from models.loader import load_drafter
+from models.mtp import MTPDrafter
+from train.features import attention_masks
+
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [11, 3, 4],
+    [9],  # one token: no signal before the first verify round
+    [40, 41, 42, 43, 44, 45, 46, 40, 41, 42, 43, 44, 45, 46, 40, 41, 42],
+]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
+SETTINGS = {"chain": {}, "reuse": {"k": 4}, "tree": {"top_k": 3}, "reuse-tree": {"k": 3, "top_k": 2}}
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_target):
+    torch.manual_seed(0)
+    return MTPDrafter.from_target(tiny_target, num_modules=2, block_init="random")
+
+
+def test_depth_k_sees_no_token_beyond_t_plus_k(tiny_target, drafter):
+    """Depth k (0-based) at position i reads token i+k+1 at most: changing token i+k+2 leaves it unchanged and
+    changes position i+1 (so the check can fail)."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, 97, (2, 12))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    allowed, positions, _ = attention_masks(batch)
+    with torch.no_grad():
+        pre = tiny_target(ids).pre_norm_last
+        base = drafter.hidden_states(pre, ids, positions, allowed)
+        i = 4
+        for k in range(drafter.config.num_modules):
+            changed = ids.clone()
+            changed[:, i + k + 2] = (changed[:, i + k + 2] + 1) % 97
+            out = drafter.hidden_states(pre, changed, positions, allowed)[k]
+            assert torch.equal(out[:, : i + 1], base[k][:, : i + 1])
+            assert not torch.allclose(out[:, i + 1], base[k][:, i + 1])
+
+
+def test_fresh_blocks_copy_the_last_layer(tiny_target):
+    d = MTPDrafter.from_target(tiny_target, num_modules=2)
+    want = tiny_target.decoder_layers[-1].state_dict()
+    for layer in d.layers:
+        got = layer.block.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_checkpoint_round_trip_is_bit_exact(tiny_target, drafter, tmp_path):
+    drafter.save_pretrained(tmp_path)
+    loaded = load_drafter(tmp_path, tiny_target)
+    assert isinstance(loaded, MTPDrafter) and loaded.config == drafter.config
+    a, b = drafter.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(k.startswith(("rotary", "embed", "lm_head")) for k in a)  # shared parts are the target's
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_token_identical_to_vanilla(tiny_target, drafter, setting, batch):
+    prompts = PROMPTS[:1] if batch == 1 else PROMPTS[1:4]
+    expected = [generate_vanilla(tiny_target, [p], GREEDY).tokens[0] for p in prompts]
+    res = generate_speculative(tiny_target, MTPProposer(drafter, **SETTINGS[setting]), prompts, GREEDY)
+    assert res.tokens == expected
+
+
+def test_tree_shape(tiny_target, drafter):
+    proposer = MTPProposer(drafter, k=3, top_k=2)
+    ctx = PROMPTS[0]
+    proposer.begin([ctx])
+    proposer.observe(tiny_target(torch.tensor([ctx[:-1]])).pre_norm_last, torch.tensor([len(ctx) - 1]))
+    tree = proposer.propose([ctx], GREEDY, torch.Generator())
+    assert tree.tokens.shape == (1, 7)
+    assert tree.parents[0].tolist() == [-1, 0, 0, 1, 1, 3, 3]  # chain node, then its sibling, per depth
+
+
+def test_drafts_equal_the_teacher_forced_forward(tiny_target, drafter):
+    """Every round's chain (with reuse past D) equals the argmax of the training-path forward run over the context
+    followed by the drafts: the incremental per-depth caches compute exactly what training computes."""
+    proposer = MTPProposer(drafter, k=3)
+    rounds = []
+    propose = proposer.propose
+
+    def record(contexts, params, generator):
+        tree = propose(contexts, params, generator)
+        rounds.append((list(contexts[0]), tree.tokens[0].tolist()))
+        return tree
+
+    proposer.propose = record
+    generate_speculative(tiny_target, proposer, [PROMPTS[3]], GREEDY)
+    assert len(rounds) > 3
+    for ctx, tokens in rounds:
+        L = len(ctx) - 1
+        ids = torch.tensor([ctx + tokens[1:]])
+        T = ids.shape[1]
+        with torch.no_grad():
+            pre = tiny_target(torch.tensor([ctx[:-1]])).pre_norm_last
+            hidden = torch.cat([pre, pre.new_zeros(1, T - L, pre.shape[-1])], 1)  # later positions are never read
+            allowed = torch.ones(T, T, dtype=torch.bool).tril()[None]
+            want = []
+            for j in range(1, 4):
+                step_ids = F.pad(ids[:, j:], (0, j))[:, :T]
+                hidden = drafter.module_step(proposer.module_of(j), hidden, step_ids, torch.arange(T)[None], allowed)[0]
+                want.append(int(drafter.logits(hidden[0, L - 1]).argmax()))
+        assert tokens[1:] == want
+
+
+def test_deepseek_export_keys(tiny_target, drafter, tmp_path):
+    from safetensors.torch import load_file
+
+    from models.export import save_mtp_deepseek
+
+    out = save_mtp_deepseek(drafter, tmp_path)
+    state = load_file(str(out / "model-mtp.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    N = tiny_target.num_layers
+    assert config["num_nextn_predict_layers"] == 2 and config["num_hidden_layers"] == N
+    for k in range(2):
+        p = f"model.layers.{N + k}."
+        for name in ("enorm", "hnorm", "eh_proj", "embed_tokens", "shared_head.norm", "shared_head.head"):
+            assert p + name + ".weight" in state
+        assert torch.equal(state[p + "self_attn.q_proj.weight"], drafter.layers[k].block.self_attn.q_proj.weight)
+        assert torch.equal(state[p + "shared_head.head.weight"], tiny_target.lm_head.weight)
+    assert state[f"model.layers.{N}.eh_proj.weight"].shape == (32, 64)  # 2H → H
+    assert all(k.startswith(f"model.layers.{N}.") or k.startswith(f"model.layers.{N + 1}.") for k in state)
+
+
+def test_qwen3_next_export_keys(drafter, tmp_path):
+    from safetensors.torch import load_file
+
+    from models.export import save_mtp_qwen3_next
+
+    with pytest.raises(ValueError, match="holds one MTP module"):
+        save_mtp_qwen3_next(drafter, tmp_path)
+    out = save_mtp_qwen3_next(drafter, tmp_path, module=1)
+    state = load_file(str(out / "model.safetensors"))
+    assert json.loads((out / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    for name in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "layers.0.self_attn.q_proj"):
+        assert f"mtp.{name}.weight" in state
+    layer = drafter.layers[1]
+    assert torch.equal(state["mtp.fc.weight"], layer.eh_proj.weight)
+    # (1 + w) norms: stored as w - 1
+    assert torch.equal(state["mtp.pre_fc_norm_embedding.weight"], layer.enorm.weight - 1)
+    assert torch.equal(state["mtp.layers.0.input_layernorm.weight"], layer.block.input_layernorm.weight - 1)
+
+
+@pytest.mark.parametrize("setting", ["chain", "tree"])
+def test_sampling_runs_with_draft_distributions(tiny_target, drafter, setting):
+    """T = 1: sampled chains carry their q (a distribution per drafted node), trees are one-hot (q is None)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    proposer = MTPProposer(drafter, **SETTINGS[setting])
+    ctx = PROMPTS[0]
+    proposer.begin([ctx])
+    proposer.observe(tiny_target(torch.tensor([ctx[:-1]])).pre_norm_last, torch.tensor([len(ctx) - 1]))
+    tree = proposer.propose([ctx], params, torch.Generator().manual_seed(0))
+    if setting == "chain":
+        q = tree.draft_probs[0, :-1]
+        assert torch.allclose(q.sum(-1), torch.ones(q.shape[0]))
+        assert bool((q[torch.arange(q.shape[0]), tree.tokens[0, 1:]] > 0).all())  # each draft was drawn from its q
+    else:
+        assert tree.draft_probs is None
+    res = generate_speculative(tiny_target, MTPProposer(drafter, **SETTINGS[setting]), [ctx], params)
+    assert len(res.tokens[0]) == 12 and all(0 <= t < 97 for t in res.tokens[0])

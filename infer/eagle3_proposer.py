@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from infer.kernels.cpu_linear import install as install_cpu_linear
-from infer.proposer import Proposer, TargetSignal
+from infer.proposer import Proposer, TargetSignal, compact_kv
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
 from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
@@ -150,13 +150,8 @@ class Eagle3Proposer(Proposer):
     def _close_draft_slots(self, proposal_start: int) -> None:
         self.kv_valid = self.kv_valid[:, :proposal_start]
         self.keys, self.values = self.keys[:, :, :proposal_start], self.values[:, :, :proposal_start]
-        # rows sync different pair counts, so padding slots leave holes; re-pack when they dominate
-        S, used = self.kv_valid.shape[1], int(self.kv_valid.sum(1).max())
-        if S > 2 * used + 64:
-            order = torch.sort((~self.kv_valid).to(torch.int8), dim=1, stable=True).indices[:, :used]
-            idx = order[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[-1])
-            self.keys, self.values = self.keys.gather(2, idx), self.values.gather(2, idx)
-            self.kv_valid = self.kv_valid.gather(1, order)
+        # rows sync different pair counts, so padding slots leave holes
+        self.keys, self.values, self.kv_valid = compact_kv(self.keys, self.values, self.kv_valid)
 
     # --- proposals ---------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from infer.kernels.cpu_linear import install as install_cpu_linear
-from infer.proposer import Proposer, TargetSignal
+from infer.proposer import Proposer, TargetSignal, compact_kv
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
 from models.mtp import MTPDrafter
@@ -121,15 +121,9 @@ class MTPProposer(Proposer):
         return out[rows, (torch.tensor(counts) - 1).clamp(min=0).to(self.device)]
 
     def _repack(self, j: int) -> None:
-        """Drop the holes the speculative tails leave once they dominate the cache (j - 1 per round)."""
-        valid = self.kv_valid[j]
-        S, used = valid.shape[1], int(valid.sum(1).max())
-        if S > 2 * used + 64:
-            order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :used]
-            keys, values = self.kv[j]
-            idx = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
-            self.kv[j] = (keys.gather(2, idx), values.gather(2, idx))
-            self.kv_valid[j] = valid.gather(1, order)
+        """Drop the holes the speculative tails leave (j - 1 per round) once they dominate depth j's cache."""
+        keys, values, self.kv_valid[j] = compact_kv(*self.kv[j], self.kv_valid[j])
+        self.kv[j] = (keys, values)
 
     # --- proposals ---------------------------------------------------------------------------------
 

@@ -101,6 +101,20 @@ def _block_config(target: TargetModel):
     return config
 
 
+@torch.no_grad()
+def merged_state(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """A decoder layer's weights under their plain names, any LoRA adapter merged in (a jointly trained target is
+    wrapped by peft: ``q_proj.base_layer.weight`` + ``q_proj.lora_{A,B}``)."""
+    from peft.tuners.lora import LoraLayer
+
+    state = {k.replace(".base_layer.", "."): v for k, v in layer.state_dict().items() if ".lora_" not in k}
+    for name, module in layer.named_modules():
+        if isinstance(module, LoraLayer):
+            for adapter in module.active_adapters:
+                state[f"{name}.weight"] = state[f"{name}.weight"] + module.get_delta_weight(adapter)
+    return state
+
+
 class MTPDrafter(nn.Module):
     """D MTP modules over a target. ``from_target`` for fresh modules, ``from_pretrained`` to load a checkpoint."""
 
@@ -152,7 +166,7 @@ class MTPDrafter(nn.Module):
         )
         drafter = cls(cfg, target, TargetInfo.of(target, tokenizer, method=METHOD))
         if block_init == "last_layer":
-            state = target.decoder_layers[-1].state_dict()
+            state = merged_state(target.decoder_layers[-1])
             with torch.no_grad():
                 for module in drafter.layers:
                     module.block.load_state_dict({k: v.to(target.dtype) for k, v in state.items()})

@@ -5,6 +5,7 @@ drafters quickstart [--skip-training] [--prompts N]     # target, one chat answe
 drafters bench [args of eval.bench_runtime]              # runtime benchmark of the drafter-free proposers
 drafters build-data [args of train.chat_data]            # self-synthesised, self-distilled chat data (resumable)
 drafters regenerate [args of scripts/regenerate.py]      # self-distillation of an existing chat dataset
+drafters estimate --target CONFIG --recipe YAML [...]    # memory / cache size / tokens per GPU-hour, before a run
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         "bench": lambda a: _run_module("eval.bench_runtime", a),
         "build-data": lambda a: _run_module("train.chat_data", a),
         "regenerate": lambda a: _run_script(ROOT / "scripts" / "regenerate.py", a),
+        "estimate": lambda a: _run_script(ROOT / "scripts" / "estimate.py", a),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)

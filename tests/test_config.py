@@ -16,6 +16,7 @@ METHOD_CONFIGS = {
     "draft_model": ("train.draft_model", "DraftModelRecipe"),
     "medusa1": ("train.medusa", "MedusaRecipeConfig"),
     "medusa2": ("train.medusa", "MedusaRecipeConfig"),
+    "mtp": ("train.mtp", "MTPRecipeConfig"),
 }
 
 

@@ -155,3 +155,21 @@ def test_cost_curve_times_every_size_at_a_fixed_context(tiny_target):
     costs = verify_costs(tiny_target, context, (1, 3, 8), reps=2, aux=True)
     assert sorted(costs) == [1, 3, 8] and all(c > 0 for c in costs.values())
     assert vanilla_step_cost(tiny_target.model, context, reps=2) > 0
+
+
+def test_compact_kv_left_aligns_each_rows_valid_entries_once_holes_dominate():
+    from infer.proposer import compact_kv
+
+    B, nkv, S, d = 2, 2, 140, 3
+    keys = torch.arange(B * nkv * S * d, dtype=torch.float32).reshape(B, nkv, S, d)
+    values = -keys
+    valid = torch.zeros(B, S, dtype=torch.bool)
+    valid[0, [3, 50, 99]] = True  # 3 used of 140 slots: 140 > 2·3 + 64, so it packs
+    valid[1, [7, 8]] = True
+    k, v, ok = compact_kv(keys, values, valid)
+    assert k.shape == (B, nkv, 3, d) and ok.tolist() == [[True, True, True], [True, True, False]]
+    assert torch.equal(k[0], keys[0][:, [3, 50, 99]]) and torch.equal(v[1, :, :2], values[1][:, [7, 8]])
+    few = valid.clone()
+    few[0, :40] = True  # 40 + 64 used-equivalent: below the threshold, nothing moves
+    same = compact_kv(keys, values, few)
+    assert same[0] is keys and same[2] is few

@@ -59,6 +59,31 @@ def test_fresh_blocks_copy_the_last_layer(tiny_target):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_blocks_copied_from_a_lora_target_carry_its_adapter_merged():
+    """Joint mode wraps the target in peft before the modules are built: the copy must hold the layer's effective
+    weights under plain names (base + B·A·scale), so the copied block computes what the wrapped layer computes."""
+    from models.target import TargetModel
+    from tests.conftest import tiny_llama
+
+    target = TargetModel(tiny_llama(seed=0), mode="joint", lora_rank=4)
+    layer = target.decoder_layers[-1]
+    torch.manual_seed(3)
+    with torch.no_grad():  # a trained adapter (peft starts lora_B at zero, which would hide a missed merge)
+        for name, p in layer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)
+    block = MTPDrafter.from_target(target, num_modules=1).layers[0].block
+    assert not any("lora" in k or "base_layer" in k for k in block.state_dict())
+    x = torch.randn(1, 5, target.hidden_size)
+    rope = target.model.base_model.model.model.rotary_emb(x, torch.arange(5)[None])
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    want = layer(x, attention_mask=mask, position_embeddings=rope)
+    got = block(x, attention_mask=mask, position_embeddings=rope)
+    torch.testing.assert_close(got, want)
+    base = target.model.base_model.model.model.layers[-1].self_attn.q_proj.base_layer.weight
+    assert not torch.allclose(block.self_attn.q_proj.weight, base)  # the adapter is in the copy
+
+
 def test_checkpoint_round_trip_is_bit_exact(tiny_target, drafter, tmp_path):
     drafter.save_pretrained(tmp_path)
     loaded = load_drafter(tmp_path, tiny_target)

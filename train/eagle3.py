@@ -27,25 +27,24 @@ import torch  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from models.config import parse_cli, to_dict  # noqa: E402
+from models.config import parse_cli  # noqa: E402
 from models.eagle3 import Eagle3Drafter  # noqa: E402
 from models.export import save_sglang, save_speculators  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
-from train.checkpoint import load_training_state, save_training_state  # noqa: E402
+from train.checkpoint import save_training_state  # noqa: E402
 from train.data import DataConfig  # noqa: E402
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage  # noqa: E402
 from train.features import attention_masks, target_signals  # noqa: E402
 from train.loop import (  # noqa: E402
     Progress,
     TrainConfig,
-    check_sharding,
     epoch_batch,
     eval_batches,
     feature_source,
     load_target_and_data,
     make_accelerator,
     record,
-    schedule,
+    start_training,
     to_device,
 )
 from train.losses import eagle3_ttt_loss, simulated_tau  # noqa: E402
@@ -189,27 +188,16 @@ def main(argv: list[str]) -> None:
     # ---- features: online (target forward per batch) or offline (cache once, read every epoch)
     samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
 
-    # ---- optimizer, schedule, resume
+    # ---- optimizer, schedule, resume, the sharding this run really got
     optimizer = adamw(drafter, tc.lr, tc.weight_decay)
-    drafter, optimizer = accelerator.prepare(drafter, optimizer)
-    per_epoch, total_steps, warmup = schedule(tc, len(samples), world)
-    counters = load_training_state(accelerator, out) or {"step": 0}
-    step = counters["step"]
-    log(
-        f"train: {total_steps} optimizer steps ({per_epoch} micro-batches/epoch/rank, batch {tc.batch_size} x "
-        f"{tc.grad_accum} accum x {world} ranks), warm-up {warmup}, ttt {cfg.drafter.ttt_steps}"
-        + (f"; resumed at step {step}" if step else "")
+    drafter, optimizer, per_epoch, total_steps, warmup, step = start_training(
+        accelerator, cfg, drafter, optimizer, len(samples), log, "eagle3", f", ttt {cfg.drafter.ttt_steps}"
     )
-    if accelerator.is_main_process and tc.log_with:
-        accelerator.init_trackers("eagle3", config={k: str(v) for k, v in to_dict(cfg).items()})
-
-    # ---- check the sharding this run really got: every rank's first-epoch samples, disjoint across ranks
-    record(accelerator, tc, {"sharding": check_sharding(accelerator, tc, len(samples), per_epoch)}, log)
 
     # ---- training-time-test loop
     model = accelerator.unwrap_model(drafter)
     k = cfg.drafter.ttt_steps
-    progress = Progress(accelerator, tc, total_steps, warmup, step, k, "eagle3")
+    progress = Progress(accelerator, tc, total_steps, warmup, step, k, "eagle3", position_loss="step_loss")
     micro = step * tc.grad_accum
     while progress.step < total_steps:
         ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size)
@@ -223,7 +211,9 @@ def main(argv: list[str]) -> None:
                 logits, target_logits, batch["loss_mask"], model.t2d, sample_ids, cfg.drafter.step_weight
             )
             accelerator.backward(res.loss / tc.grad_accum)
-        progress.add(res.loss, res.step_correct, res.step_count, int(batch["attention_mask"].sum()))
+        progress.add(
+            res.loss, res.step_correct, res.step_count, int(batch["attention_mask"].sum()), None, res.step_loss
+        )
         micro += 1
         if not sync:
             continue

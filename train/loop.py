@@ -19,8 +19,9 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 from tqdm.auto import tqdm
 
-from models.config import save_config
+from models.config import save_config, to_dict
 from models.target import TargetModel, load_tokenizer
+from train.checkpoint import load_training_state
 from train.data import build_dataset, collate
 from train.features import (
     FEATURE_DTYPES,
@@ -221,12 +222,44 @@ def load_target_and_data(cfg, accelerator: Accelerator, log, prepare: Callable[[
     return tokenizer, pad_id, target, full, train_set, eval_set
 
 
+def start_training(
+    accelerator: Accelerator,
+    cfg,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    num_samples: int,
+    log,
+    name: str,
+    detail: str = "",
+    before: dict | None = None,
+):
+    """What every recipe does between building its optimizer and its loop: accelerate's wrapping, the step
+    schedule, resuming from the latest state, the run's log line, the tracker (``train.log_with``), the sharding
+    check (every rank's first-epoch samples, disjoint across ranks) and, for a joint target, its quality before
+    training. Returns (model, optimizer, micro-batches per epoch, optimizer steps, warm-up steps, start step)."""
+    tc, world = cfg.train, accelerator.num_processes
+    model, optimizer = accelerator.prepare(model, optimizer)
+    per_epoch, total_steps, warmup = schedule(tc, num_samples, world)
+    step = (load_training_state(accelerator, tc.output_dir) or {"step": 0})["step"]
+    log(
+        f"train: {total_steps} optimizer steps ({per_epoch} micro-batches/epoch/rank, batch {tc.batch_size} x "
+        f"{tc.grad_accum} accum x {world} ranks), warm-up {warmup}{detail}"
+        + (f"; resumed at step {step}" if step else "")
+    )
+    if accelerator.is_main_process and tc.log_with:
+        accelerator.init_trackers(name, config={k: str(v) for k, v in to_dict(cfg).items()})
+    record(accelerator, tc, {"sharding": check_sharding(accelerator, tc, num_samples, per_epoch)}, log)
+    if before:
+        record(accelerator, tc, {"step": 0, **{f"before/{k.split('/')[1]}": v for k, v in before.items()}}, log)
+    return model, optimizer, per_epoch, total_steps, warmup, step
+
+
 class Progress:
     """The bookkeeping of a training loop: sums kept on the device and read once per log line (reading them every
     step would sync the device), the scheduled optimizer step, when to log / evaluate / save, the metrics line.
 
-    Sums: loss, an optional second loss (``second_loss`` names it in the log), micro-batches, then correct and
-    count per position (TTT step or head)."""
+    Sums: loss, an optional second loss (``second_loss`` names it in the log), micro-batches, then correct, count
+    and (``position_loss`` names it in the log) the mean loss per position (TTT step, head or depth)."""
 
     def __init__(
         self,
@@ -238,10 +271,11 @@ class Progress:
         positions: int,
         desc: str,
         second_loss: str | None = None,
+        position_loss: str | None = None,
     ) -> None:
         self.accelerator, self.tc, self.total_steps, self.warmup, self.step = accelerator, tc, total_steps, warmup, step
-        self.k, self.second_loss = positions, second_loss
-        self.stats = torch.zeros(3 + 2 * positions, device=accelerator.device)
+        self.k, self.second_loss, self.position_loss = positions, second_loss, position_loss
+        self.stats = torch.zeros(3 + 3 * positions, device=accelerator.device)
         self.tokens, self.t_loop, self.grad_norm = 0, time.time(), 0.0
         self.bar = tqdm(total=total_steps, initial=step, desc=desc, disable=not accelerator.is_main_process)
 
@@ -252,9 +286,12 @@ class Progress:
         count: torch.Tensor,
         tokens: int,
         second: torch.Tensor | None = None,
+        position_loss: torch.Tensor | None = None,
     ) -> None:
         second = torch.zeros_like(loss) if second is None else second
+        position_loss = self.stats.new_zeros(self.k) if position_loss is None else position_loss
         parts = [loss.detach().reshape(1), second.detach().reshape(1), self.stats.new_ones(1), correct, count]
+        parts.append(position_loss.detach().float())
         self.stats += torch.cat(parts)
         self.tokens += tokens
 
@@ -282,13 +319,15 @@ class Progress:
         out = {
             "step": self.step,
             "loss": float(total[0] / total[2]),
-            "acc": [round(a, 4) for a in (total[3 : 3 + k] / total[3 + k :].clamp(min=1)).tolist()],
+            "acc": [round(a, 4) for a in (total[3 : 3 + k] / total[3 + k : 3 + 2 * k].clamp(min=1)).tolist()],
             "lr": self.lr,
             "grad_norm": self.grad_norm,
             "tokens_per_s": round(self.tokens * world / (time.time() - self.t_loop), 1),
         }
         if self.second_loss:
             out[self.second_loss] = float(total[1] / total[2])
+        if self.position_loss:
+            out[self.position_loss] = [round(x, 4) for x in (total[3 + 2 * k :] / total[2]).tolist()]
         self.stats.zero_()
         return out
 

@@ -1,4 +1,5 @@
-"""EAGLE-3 training loss and the simulated τ of DESIGN.md §4 (pure functions; shapes in the docstrings)."""
+"""Drafter training losses (EAGLE-3's TTT loss, the per-position CE of Medusa heads and MTP depths) and the
+simulated τ of DESIGN.md §4 (pure functions; shapes in the docstrings)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,26 @@ def rank_hits(logits: torch.Tensor, labels: torch.Tensor, ranks: int) -> torch.T
     """logits [N, V], labels [N] → [ranks] int64: how often the label is the r-th most likely token (r < ranks)."""
     top = logits.topk(ranks, dim=-1).indices  # [N, ranks]
     return (top == labels[:, None]).sum(0)
+
+
+def position_losses(
+    logits: list[torch.Tensor], targets: list[tuple[torch.Tensor, torch.Tensor]], weights: list[float]
+) -> dict[str, torch.Tensor]:
+    """Σ_k weights[k] · CE_k over draft positions k (a Medusa head, an MTP depth): ``logits[k]`` [N_k, V] at the
+    positions of ``targets[k]`` = (positions [B, T] bool, labels [B, T]), e.g. from `medusa_head_targets`.
+    Returns the weighted loss (scalar) and, per position, its mean loss (detached), top-1 correct and count."""
+    loss = logits[0].new_zeros((), dtype=torch.float32)
+    each, correct, count = [], [], []
+    for k, ((positions, labels), pos_logits) in enumerate(zip(targets, logits)):
+        want, n = labels[positions], positions.sum()
+        ce = F.cross_entropy(pos_logits.float(), want, reduction="sum") / n.clamp(min=1)
+        loss = loss + weights[k] * ce
+        each.append(ce.detach())
+        correct.append((pos_logits.detach().argmax(-1) == want).sum())
+        count.append(n)
+    return {
+        "loss": loss,
+        "position_loss": torch.stack(each),
+        "correct": torch.stack(correct),
+        "count": torch.stack(count),
+    }

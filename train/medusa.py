@@ -23,7 +23,6 @@ The checkpoint carries the target's changes (a LoRA adapter or the full weights,
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import sys
 import time
@@ -33,35 +32,32 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from torch import nn  # noqa: E402
 
 from infer.tree_search import best_rank_paths, expected_accepted  # noqa: E402
-from models.checkpoint import TARGET_DIR  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.export import save_medusa_original, save_medusa_vllm  # noqa: E402
-from models.loader import load_target  # noqa: E402
 from models.medusa import MedusaDrafter  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
-from train.checkpoint import load_training_state, save_training_state  # noqa: E402
+from train.checkpoint import save_training_state  # noqa: E402
 from train.data import DataConfig  # noqa: E402
 from train.features import final_hidden, target_forward  # noqa: E402
+from train.joint import LM_LOSSES, quality, quality_note, save_target_changes, served, trained_modules  # noqa: E402
+from train.joint import lm_loss as joint_lm_loss  # noqa: E402
 from train.loop import (  # noqa: E402
     Progress,
     TrainConfig,
-    check_sharding,
     epoch_batch,
     eval_batches,
     feature_source,
     load_target_and_data,
     make_accelerator,
     record,
-    schedule,
+    start_training,
     to_device,
 )
-from train.losses import medusa_head_targets, rank_hits, simulated_tau  # noqa: E402
-from train.optim import adamw  # noqa: E402
+from train.losses import medusa_head_targets, position_losses, rank_hits, simulated_tau  # noqa: E402
 from train.report import ReportConfig, report_main, run_report  # noqa: E402
 
 
@@ -110,7 +106,7 @@ class JointConfig:
     def __post_init__(self) -> None:
         if self.lambda0_schedule not in ("constant", "linear", "sine"):
             raise ValueError("lambda0_schedule must be 'constant', 'linear' or 'sine'")
-        if self.lm_loss not in ("ce", "kl"):
+        if self.lm_loss not in LM_LOSSES:
             raise ValueError("lm_loss must be 'ce' or 'kl'")
         if self.lambda0 < 0 or self.lambda0_warmup_steps < 0 or self.heads_warmup_steps < 0:
             raise ValueError("need lambda0 >= 0 and warm-up steps >= 0")
@@ -150,18 +146,6 @@ class MedusaRecipeConfig:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def head_losses(logits: list[torch.Tensor], targets: list[tuple[torch.Tensor, torch.Tensor]], weight: float) -> dict:
-    """Σ_k weight^k · CE_k: head k's logits [N_k, V] at the positions of ``targets[k]`` (`medusa_head_targets`)."""
-    loss = logits[0].new_zeros((), dtype=torch.float32)
-    correct, count = [], []
-    for k, ((positions, labels), head_logits) in enumerate(zip(targets, logits)):
-        want, n = labels[positions], positions.sum()
-        loss = loss + weight**k * F.cross_entropy(head_logits.float(), want, reduction="sum") / n.clamp(min=1)
-        correct.append((head_logits.detach().argmax(-1) == want).sum())
-        count.append(n)
-    return {"loss": loss, "correct": torch.stack(correct), "count": torch.stack(count)}
-
-
 class JointMedusa(nn.Module):
     """Target + heads as one module (Medusa-2): one optimizer and one distributed wrapper see both."""
 
@@ -175,40 +159,6 @@ class JointMedusa(nn.Module):
         with torch.set_grad_enabled(train_target and torch.is_grad_enabled()):
             hidden = target_forward(self.target, batch, logits=False).last_hidden
         return self.target.lm_head(hidden[lm_positions]), self.heads([hidden[p] for p in head_positions])
-
-
-def original_of(target: TargetModel) -> TargetModel | None:
-    """The unchanged target for the quality guard and KL: a frozen copy for full fine-tuning; None with LoRA (the
-    adapter is switched off instead, see `original_logits`)."""
-    return None if target.lora_rank else TargetModel(copy.deepcopy(target.hf_model), name_or_path=target.name_or_path)
-
-
-@torch.no_grad()
-def original_logits(target: TargetModel, original: TargetModel | None, batch: dict) -> torch.Tensor:
-    if original is not None:
-        return target_forward(original, batch).logits
-    with target.model.disable_adapter():
-        return target_forward(target, batch).logits
-
-
-@torch.no_grad()
-def quality(accelerator, target, original, eval_set, cfg: MedusaRecipeConfig, pad_id: int) -> dict:
-    """Held-out LM loss of the (trained) target on the loss tokens, and its top-1 agreement with the original."""
-    was_training = target.training
-    target.eval()
-    loss, agree, count = (torch.zeros((), device=accelerator.device) for _ in range(3))
-    for batch in eval_batches(accelerator, cfg.train, eval_set, pad_id):
-        positions, labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)  # token t+1
-        logits = target_forward(target, batch).logits[positions].float()
-        loss += F.cross_entropy(logits, labels[positions], reduction="sum")
-        agree += (logits.argmax(-1) == original_logits(target, original, batch)[positions].argmax(-1)).sum()
-        count += positions.sum()
-    loss, agree, count = (accelerator.reduce(x, "sum") for x in (loss, agree, count))
-    target.train(was_training)
-    return {
-        "eval/lm_loss": round(float(loss / count.clamp(min=1)), 4),
-        "eval/agreement": round(float(agree / count.clamp(min=1)), 4),
-    }
 
 
 @torch.no_grad()
@@ -245,6 +195,8 @@ def main(argv: list[str]) -> None:
     cfg = parse_cli(MedusaRecipeConfig, argv)
     tc, hc = cfg.train, cfg.heads
     out = Path(tc.output_dir)
+    if hc.init_from and not (Path(hc.init_from) / "config.json").exists():
+        raise SystemExit(f"heads.init_from={hc.init_from}: no checkpoint there (train it first, or set null)")
     warmup_phase = cfg.target.mode == "joint" and cfg.joint.heads_warmup_steps > 0
     accelerator, log = make_accelerator(tc, find_unused=warmup_phase)  # the target's parameters idle in warm-up
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -272,31 +224,21 @@ def main(argv: list[str]) -> None:
         )
     )
     samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
-    original = original_of(target) if joint else None
-    before = quality(accelerator, target, original, eval_set, cfg, pad_id) if joint and eval_set is not None else {}
 
     # ---- optimizer, schedule, resume
-    if joint:
-        model = JointMedusa(target, heads)
-        optimizer = adamw(model, tc.lr, tc.weight_decay, lr_scales={heads: jc.head_lr_multiplier})
-    else:
-        model = heads
-        optimizer = adamw(model, tc.lr, tc.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    per_epoch, total_steps, warmup = schedule(tc, len(samples), world)
-    counters = load_training_state(accelerator, out) or {"step": 0}
-    step = counters["step"]
-    log(
-        f"train: {total_steps} optimizer steps ({per_epoch} micro-batches/epoch/rank, batch {tc.batch_size} x "
-        f"{tc.grad_accum} accum x {world} ranks), warm-up {warmup}" + (f"; resumed at step {step}" if step else "")
+    wrap = JointMedusa if joint else None
+    model, optimizer, original, before = trained_modules(
+        accelerator, target, heads, wrap, tc, jc.head_lr_multiplier, eval_set, pad_id
     )
-    record(accelerator, tc, {"sharding": check_sharding(accelerator, tc, len(samples), per_epoch)}, log)
-    if before:
-        record(accelerator, tc, {"step": 0, **{f"before/{k.split('/')[1]}": v for k, v in before.items()}}, log)
+    model, optimizer, per_epoch, total_steps, warmup, step = start_training(
+        accelerator, cfg, model, optimizer, len(samples), log, "medusa", before=before
+    )
 
     # ---- loop
     K = hc.num_heads
-    progress = Progress(accelerator, tc, total_steps, warmup, step, K, "medusa", "lm_loss" if joint else None)
+    progress = Progress(
+        accelerator, tc, total_steps, warmup, step, K, "medusa", "lm_loss" if joint else None, "head_loss"
+    )
     micro, last_eval = step * tc.grad_accum, {}
     while progress.step < total_steps:
         ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size)
@@ -309,18 +251,17 @@ def main(argv: list[str]) -> None:
             if joint:
                 lm_pos, lm_labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)
                 lm_logits, head_logits = model(batch, [p for p, _ in targets], lm_pos, train_target)
-                if train_target and jc.lm_loss == "kl":
-                    want = original_logits(target, original, batch)[lm_pos].float().log_softmax(-1)
-                    lm_loss = F.kl_div(lm_logits.float().log_softmax(-1), want, log_target=True, reduction="batchmean")
-                elif train_target:
-                    lm_loss = F.cross_entropy(lm_logits.float(), lm_labels[lm_pos])
+                if train_target:
+                    lm_loss = joint_lm_loss(jc.lm_loss, lm_logits, target, original, batch, lm_pos, lm_labels)
             else:
                 hidden = final_hidden(target, batch).to(next(heads.parameters()).dtype)
                 head_logits = model([hidden[p] for p, _ in targets])
-            res = head_losses(head_logits, targets, hc.head_weight)
+            res = position_losses(head_logits, targets, [hc.head_weight**k for k in range(K)])
             loss = lm_loss + (jc.lambda0_at(progress.step) if train_target else 1.0) * res["loss"]
             accelerator.backward(loss / tc.grad_accum)
-        progress.add(loss, res["correct"], res["count"], int(batch["attention_mask"].sum()), lm_loss)
+        progress.add(
+            loss, res["correct"], res["count"], int(batch["attention_mask"].sum()), lm_loss, res["position_loss"]
+        )
         micro += 1
         if not sync:
             continue
@@ -337,7 +278,7 @@ def main(argv: list[str]) -> None:
                 last_eval = evaluate(accelerator, target, heads, eval_set, cfg, pad_id)
                 metrics.update({k: v for k, v in last_eval.items() if k != "tree_paths"})
                 if joint:
-                    last_eval.update(quality(accelerator, target, original, eval_set, cfg, pad_id))
+                    last_eval.update(quality(accelerator, target, original, eval_set, tc, pad_id))
                     metrics.update({k: last_eval[k] for k in ("eval/lm_loss", "eval/agreement")})
             record(accelerator, tc, metrics, log)
         if progress.save_due():
@@ -352,9 +293,8 @@ def main(argv: list[str]) -> None:
     heads.config.tree_paths = last_eval.get("tree_paths", [])
     if heads.config.tree_paths:
         log(f"static tree: {len(heads.config.tree_paths)} nodes, expected τ {last_eval['eval/tree_expected_tau']:.2f}")
-    if joint:  # the target's changes first: a checkpoint whose config.json exists is complete
-        (target.model if target.lora_rank else target.hf_model).save_pretrained(out / TARGET_DIR)
-        heads.target_info.target_weights = "lora" if target.lora_rank else "full"
+    if joint:
+        save_target_changes(target, heads, out)
     heads.save_pretrained(out)
     if tc.export:
         save_medusa_vllm(heads, out / "export-vllm")
@@ -364,18 +304,13 @@ def main(argv: list[str]) -> None:
     )
     notes = f"Medusa-{2 if joint else 1} heads trained {step} steps ({train_s / 60:.1f} min, world {world})."
     if joint and before and "eval/lm_loss" in last_eval:
-        notes += (
-            f" Target quality on held-out answers, before → after joint training: LM loss {before['eval/lm_loss']:.4f}"
-            f" → {last_eval['eval/lm_loss']:.4f}, top-1 agreement with the original {before['eval/agreement']:.4f}"
-            f" → {last_eval['eval/agreement']:.4f}."
-        )
+        notes += " " + quality_note(before, last_eval)
         log(notes)
 
     # ---- report: τ and speedup in the verify runtime on held-out prompts (a joint target as it will be served)
     if cfg.report.enabled:
         if joint:
-            target = load_target(out, cfg.target)
-            heads = MedusaDrafter.from_pretrained(out, target, tokenizer)
+            target, heads = served(out, cfg.target, MedusaDrafter, tokenizer)
         run_report(target, heads, tokenizer, cfg.report, out, eval_set, notes=notes, log=log)
 
 

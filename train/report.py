@@ -2,7 +2,8 @@
 
 Measures, on held-out prompts (``eval.prompts``; every answer stops at the target's EOS) and in one process with
 interleaved runs (``eval.measure``): vanilla decoding, HF ``generate``, prompt lookup, the drafter (EAGLE-3: a chain
-and an EAGLE-2 dynamic tree; Medusa: a chain of its heads' top-1 and the static tree stored with it), the drafters
+and an EAGLE-2 dynamic tree; Medusa: a chain of its heads' top-1 and the static tree stored with it; MTP:
+the chain of its modules, reuse past D and a per-depth top-k tree), the drafters
 named in ``compare`` the same way, and (when given) a small draft model with the chain and tree settings; writes
 ``report.json`` + ``report.md`` with rows for all prompts and for each category.
 """
@@ -62,7 +63,8 @@ class ReportConfig:
     """Cap on tokens per answer; answers stop earlier at the target's EOS."""
     chain_k: int = 5
     """Drafts per round of the chain setting (0 leaves the chain out); the longest chain tried when
-    chain_from_cost_curve is on."""
+    chain_from_cost_curve is on. MTP: its D modules always make a chain; chain_k > D adds a row that reuses the
+    last module for depths D+1 … chain_k."""
     chain_from_cost_curve: bool = True
     """Pick each chain's length (1..chain_k) on the machine that runs the report, from a pilot run's acceptance and
     step costs and the verify-cost curve measured there (eval.cost_curve.size_chain); off: exactly chain_k."""
@@ -72,6 +74,9 @@ class ReportConfig:
     """EAGLE-2 dynamic tree depth."""
     tree_total_tokens: int = 16
     """Tree nodes per verify forward, root included (0 leaves the tree out)."""
+    mtp_top_k: int = 2
+    """MTP drafters' tree: the chain plus the next top_k - 1 candidates of every depth as leaves (1 + D·top_k
+    nodes); 1 leaves it out."""
     draft_model: str | None = None
     """Small draft model (HF causal LM sharing the tokenizer) measured beside the drafter; missing path: skipped."""
     typical_acceptance: bool = False
@@ -99,6 +104,8 @@ class ReportConfig:
             raise ValueError("chain_k must be >= 0 and tree_total_tokens 0 or >= 2")
         if self.chain_k == 0 and self.tree_total_tokens == 0:
             raise ValueError("the report needs a chain (chain_k > 0) or a tree (tree_total_tokens > 0)")
+        if self.mtp_top_k < 1:
+            raise ValueError("mtp_top_k must be >= 1")
         if any(b < 1 for b in self.batch_sizes) or any(t < 0 for t in self.temperatures):
             raise ValueError("batch sizes must be >= 1 and temperatures >= 0")
 
@@ -170,9 +177,15 @@ def candidates(
             if cfg.tree_total_tokens:
                 out.append(Candidate("eagle3", cfg.tree_name, lambda d=drafter: Eagle3Proposer(d, tree=cfg.tree)))
             continue
-        if isinstance(drafter, MTPDrafter):  # its D modules as a chain (reuse past D and trees: not yet report rows)
+        if isinstance(drafter, MTPDrafter):  # self-speculation: the D modules' chain, reuse past D, top-k tree
             D = drafter.config.num_modules
             out.append(Candidate("mtp", f"chain {D}", lambda d=drafter: MTPProposer(d)))
+            if cfg.chain_k > D:  # acceptance decays with reuse, so it is a row of its own
+                name = f"chain {cfg.chain_k} (module {D} reused)"
+                out.append(Candidate("mtp", name, lambda d=drafter: MTPProposer(d, k=cfg.chain_k)))
+            if cfg.mtp_top_k > 1:
+                name = f"top-{cfg.mtp_top_k} tree n{1 + D * cfg.mtp_top_k}"
+                out.append(Candidate("mtp", name, lambda d=drafter: MTPProposer(d, top_k=cfg.mtp_top_k)))
             continue
         heads = drafter.config.num_heads
         if cfg.chain_k:

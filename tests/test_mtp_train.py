@@ -1,0 +1,175 @@
+"""The MTP recipe (train/mtp.py): λ weights, frozen and joint training on a tiny target, checkpoint, exports,
+report rows, resume, and two CPU ranks through accelerate launch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from models.checkpoint import read_checkpoint
+from models.config import ConfigError, load_config
+from models.loader import load_drafter, load_target
+from models.mtp import MTPDrafter
+from models.target import TargetConfig, TargetModel
+from tests.conftest import ROOT
+from train.mtp import ModulesConfig, MTPRecipeConfig
+
+RECIPE = ROOT / "recipes" / "smollm2-135m" / "mtp.yaml"
+
+
+def test_loss_weights_split_one_lambda_over_depths_or_take_a_list_and_switch_at_a_step():
+    one = ModulesConfig(num_modules=3, loss_weight=0.3, loss_weight_later=0.1, switch_step=5)
+    assert one.weights_at(0) == pytest.approx([0.1] * 3) and one.weights_at(4) == pytest.approx([0.1] * 3)
+    assert one.weights_at(5) == pytest.approx([0.1 / 3] * 3)
+    per_depth = ModulesConfig(num_modules=2, loss_weight=[1.0, 0.5])
+    assert per_depth.weights_at(0) == [1.0, 0.5] and per_depth.weights_at(10**6) == [1.0, 0.5]
+    with pytest.raises(ValueError, match="needs 2 entries"):
+        ModulesConfig(num_modules=2, loss_weight=[1.0])
+    with pytest.raises(ValueError, match=">= 0"):
+        ModulesConfig(num_modules=1, loss_weight=-0.1)
+
+
+def test_offline_features_are_refused_with_the_reason():
+    with pytest.raises((ConfigError, ValueError), match="online"):
+        load_config(MTPRecipeConfig, RECIPE, ["train.features=offline"])
+
+
+def mtp_args(root, out, *extra: str) -> list[str]:
+    """The shipped frozen MTP recipe on `tiny_recipe`'s target and data (raw text), sized to run in seconds."""
+    return [
+        "--config",
+        str(RECIPE),
+        f"target.name_or_path={root / 'target'}",
+        "target.device=cpu",
+        f"data.path={root / 'train.jsonl'}",
+        "data.format=text",
+        "data.max_length=96",
+        f"data.cache_dir={root / 'hf-cache'}",
+        f"eval_data.path={root / 'heldout.jsonl'}",
+        "eval_data.format=text",
+        "eval_data.max_length=96",
+        f"eval_data.cache_dir={root / 'hf-cache'}",
+        f"train.output_dir={out}",
+        "train.mixed_precision=fp32",
+        "train.batch_size=2",
+        "train.lr=3e-3",
+        "train.log_every=2",
+        "train.eval_every=0",
+        "train.eval_samples=4",
+        "train.save_every=0",
+        "mtp.tree_ranks=2",
+        "report.prompt_source=eval_data",
+        "report.prompts=2",
+        "report.prompt_tokens=24",
+        "report.max_new_tokens=10",
+        "report.compare=[]",
+        *extra,
+    ]
+
+
+def test_a_missing_init_checkpoint_is_refused_before_anything_loads(tmp_path):
+    import train.mtp as recipe
+
+    with pytest.raises(SystemExit, match="mtp.init_from=.*no checkpoint there"):
+        recipe.main(mtp_args(tmp_path, tmp_path / "out", f"mtp.init_from={tmp_path / 'none'}"))
+    assert not (tmp_path / "out").exists()
+
+
+def read_log(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.integration
+def test_frozen_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp_path, capsys):
+    import train.mtp as recipe
+
+    out = tmp_path / "run"
+    recipe.main(mtp_args(tiny_recipe, out, "train.max_steps=4"))
+    printed = capsys.readouterr().out
+    assert "modules: 2 x LlamaDecoderLayer (last_layer)" in printed and "λ [0.15, 0.15]" in printed
+    for name in ("config.json", "model.safetensors", "report.json", "export-deepseek/model-mtp.safetensors"):
+        assert (out / name).exists(), name
+    assert not (out / "export-qwen3-next").exists() and "holds one module" in printed
+    steps = [r for r in read_log(out) if "step" in r]
+    assert [r["step"] for r in steps] == [2, 4]
+    last = steps[-1]
+    assert len(last["acc"]) == 2 and len(last["depth_loss"]) == 2 and all(x > 0 for x in last["depth_loss"])
+    assert len(last["eval/rank_acc"]) == 2 and len(last["eval/rank_acc"][0]) == 2
+    assert 1.0 <= last["eval/simulated_tau"] <= last["eval/tree_top2_expected_tau"] <= 3.0
+    assert last["lambda"] == pytest.approx([0.15, 0.15])
+    raw, info = read_checkpoint(out)
+    assert info.method == "mtp" and info.target_weights is None and raw["num_modules"] == 2
+
+    rows = json.loads((out / "report.json").read_text())["results"]
+    mtp = {r["setting"]: r for r in rows if r["proposer"] == "mtp"}
+    assert set(mtp) == {"chain 2", "chain 3 (module 2 reused)", "top-2 tree n5"}
+    assert all(r["greedy_identical"] == 1.0 for r in mtp.values())
+    assert all(len(r["alpha"]) >= 1 for r in mtp.values())  # per-depth acceptance
+
+    # the trained modules moved away from their start; the frozen target did not move
+    target = TargetModel.from_config(TargetConfig(name_or_path=str(tiny_recipe / "target"), device="cpu"))
+    fresh, trained = MTPDrafter.from_target(target, 2), load_drafter(out, target)
+    assert not torch.equal(fresh.layers[0].block.mlp.up_proj.weight, trained.layers[0].block.mlp.up_proj.weight)
+
+    # resume with more steps: continues at step 4
+    recipe.main(mtp_args(tiny_recipe, out, "train.max_steps=6", "report.enabled=false"))
+    assert "resumed at step 4" in capsys.readouterr().out
+    assert [r["step"] for r in read_log(out) if "step" in r] == [2, 4, 6]
+
+
+@pytest.mark.integration
+def test_joint_lora_trains_the_target_with_the_modules_and_reports_the_quality_guard(tiny_recipe, tmp_path, capsys):
+    import train.mtp as recipe
+
+    out = tmp_path / "lora"
+    joint = ["target.mode=joint", "target.lora_rank=4", "joint.modules_warmup_steps=2", "joint.lm_loss=kl"]
+    one = ["mtp.num_modules=1", "report.chain_k=2"]
+    recipe.main(mtp_args(tiny_recipe, out, *joint, *one, "train.max_steps=4"))
+    printed = capsys.readouterr().out
+    assert "joint with the target (LoRA r4)" in printed and "top-1 agreement with the original" in printed
+    log = read_log(out)
+    assert next(r for r in log if "before/agreement" in r)["before/agreement"] == 1.0
+    steps = [r for r in log if "step" in r and "acc" in r]
+    assert steps[0]["lm_loss"] == 0.0 and steps[-1]["lm_loss"] >= 0.0  # step 2: warm-up, the target idles
+    last = steps[-1]
+    assert 0.0 <= last["eval/agreement"] <= 1.0
+    before = next(r for r in log if "before/lm_loss" in r)["before/lm_loss"]
+    assert last["eval/lm_loss_change"] == pytest.approx(last["eval/lm_loss"] - before, abs=1e-3)
+    assert (out / "target" / "adapter_config.json").exists() and read_checkpoint(out)[1].target_weights == "lora"
+    assert (out / "export-qwen3-next" / "model.safetensors").exists()  # D = 1 fits the Qwen3-Next layout
+    base_cfg = TargetConfig(name_or_path=str(tiny_recipe / "target"), device="cpu")
+    base, changed = TargetModel.from_config(base_cfg), load_target(out, base_cfg)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    assert not torch.allclose(base(ids).logits, changed(ids).logits)  # the adapter trained and is applied
+    rows = json.loads((out / "report.json").read_text())["results"]
+    assert {r["setting"] for r in rows if r["proposer"] == "mtp"} == {
+        "chain 1",
+        "chain 2 (module 1 reused)",
+        "top-2 tree n3",
+    }
+    assert all(r["greedy_identical"] == 1.0 for r in rows if r["proposer"] == "mtp")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["frozen", "joint"])
+def test_two_cpu_ranks_through_accelerate_launch(tiny_recipe, tmp_path, mode):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / mode
+    args = mtp_args(tiny_recipe, out, "train.max_steps=2", "report.enabled=false", "train.export=false")
+    if mode == "joint":
+        args += ["target.mode=joint", "target.lora_rank=4", "joint.modules_warmup_steps=1"]
+    bin_dir = Path(sys.executable).parent
+    config = str(ROOT / "recipes/accelerate/cpu_2proc.yaml")
+    cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", config, str(ROOT / "train" / "mtp.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sharding = next(r["sharding"] for r in read_log(out) if "sharding" in r)
+    assert sharding["world"] == 2 and sharding["distinct_over_ranks"] == sharding["total_over_ranks"]
+    assert read_checkpoint(out)[1].target_weights == (None if mode == "frozen" else "lora")

@@ -1,0 +1,331 @@
+"""Train DeepSeek-V3-style MTP modules on a frozen target or jointly with it, then measure them as self-speculation.
+
+    python train/mtp.py --config recipes/smollm2-135m/mtp.yaml [key=value ...]          # frozen target
+    python train/mtp.py --config recipes/smollm2-135m/mtp-joint.yaml [key=value ...]    # joint: LoRA or full
+    accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml train/mtp.py --config ...   # 2 CPU ranks
+    python train/mtp.py report --drafter DIR [--config recipe.yaml] [report.prompts=8 ...]   # any checkpoint
+
+Top to bottom: parse config → target, tokenizer, data → D modules (models/mtp.py; blocks of the target's own layer
+class) → loop → checkpoint + DeepSeek-V3 / Qwen3-Next exports → τ / speedup report (the modules as a chain, reused
+past D, and a per-depth top-k tree) beside prompt lookup, the small draft model and the drafters in ``report.compare``.
+
+Loss (DeepSeek-V3 §2.2): L = L_main + Σ_d λ_d · CE_d. Depth d (0-based) at position t reads the depth d-1 output at t
+(d = 0: the target's last-layer output before the final norm) and the embedding of token t+1+d, and predicts token
+t+2+d; CE_d is its mean cross-entropy over the loss tokens. λ is one value (λ/D for each depth, as DeepSeek-V3
+writes it) or one per depth, optionally switched at a step (DeepSeek-V3: 0.3, then 0.1). L_main, the target's own
+next-token loss, is there in joint mode only (``target.mode: joint``; LoRA or full): the target trains with the
+modules, after ``joint.modules_warmup_steps`` in which only the modules train. The main-loss change is the quality
+guard: held-out LM loss and top-1 agreement with the original target, before and after, logged and in the report.
+Features are online: every step runs the target (the offline cache holds the final-norm state, not the pre-norm one
+the modules read, and a joint target changes every step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from accelerate.utils import set_seed  # noqa: E402
+from torch import nn  # noqa: E402
+
+from infer.tree_search import expected_accepted  # noqa: E402
+from models.config import parse_cli  # noqa: E402
+from models.export import save_mtp_deepseek, save_mtp_qwen3_next  # noqa: E402
+from models.mtp import BLOCK_INITS, MTPDrafter  # noqa: E402
+from models.target import TargetConfig, TargetModel  # noqa: E402
+from train.checkpoint import save_training_state  # noqa: E402
+from train.data import (
+    DataConfig,  # noqa: E402
+    collate,  # noqa: E402
+)
+from train.features import attention_masks, target_forward  # noqa: E402
+from train.joint import LM_LOSSES, quality, quality_note, save_target_changes, served, trained_modules  # noqa: E402
+from train.joint import lm_loss as joint_lm_loss  # noqa: E402
+from train.loop import (  # noqa: E402
+    Progress,
+    TrainConfig,
+    epoch_batch,
+    eval_batches,
+    load_target_and_data,
+    make_accelerator,
+    record,
+    start_training,
+    to_device,
+)
+from train.losses import medusa_head_targets, position_losses, rank_hits, simulated_tau  # noqa: E402
+from train.report import ReportConfig, report_main, run_report  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------- config
+@dataclass
+class ModulesConfig:
+    num_modules: int = 1
+    """D sequential modules; depth d (1-based) predicts token t+1+d (DeepSeek-V3: D = 1)."""
+    block_init: str = "last_layer"
+    """Each module's block starts as a copy of the target's last layer ("last_layer") or random ("random")."""
+    loss_weight: float | list[float] = 0.3
+    """λ: one value (each depth weighs λ/D, DeepSeek-V3) or one weight per depth."""
+    loss_weight_later: float | list[float] | None = None
+    """λ from optimizer step ``switch_step`` on (DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1); None: keep."""
+    switch_step: int = 0
+    tree_ranks: int = 4
+    """Candidates per depth whose held-out accuracy is measured: the expected τ of the chain + top-k sibling tree."""
+    init_from: str | None = None
+    """Continue from an MTP checkpoint of this target (weights reused; fresh optimizer and schedule)."""
+
+    def __post_init__(self) -> None:
+        if self.num_modules < 1 or self.block_init not in BLOCK_INITS:
+            raise ValueError(f"need num_modules >= 1 and block_init in {BLOCK_INITS}")
+        for w in (self.loss_weight, self.loss_weight_later):
+            if isinstance(w, list) and len(w) != self.num_modules:
+                raise ValueError(f"a per-depth loss weight list needs {self.num_modules} entries, got {w}")
+            if w is not None and min(w if isinstance(w, list) else [w]) < 0:
+                raise ValueError(f"loss weights must be >= 0, got {w}")
+        if self.switch_step < 0 or self.tree_ranks < 1:
+            raise ValueError("need switch_step >= 0 and tree_ranks >= 1")
+
+    def weights_at(self, step: int) -> list[float]:
+        """λ_d of every depth at optimizer step ``step``."""
+        later = self.loss_weight_later is not None and step >= self.switch_step
+        w = self.loss_weight_later if later else self.loss_weight
+        return list(w) if isinstance(w, list) else [w / self.num_modules] * self.num_modules
+
+
+@dataclass
+class JointConfig:
+    """Joint mode (read when target.mode is "joint"; full fine-tuning, or LoRA with target.lora_rank > 0)."""
+
+    modules_warmup_steps: int = 0
+    """Optimizer steps in which only the modules train (the target runs without gradients) before joint training."""
+    module_lr_multiplier: float = 1.0
+    """The modules' learning rate relative to the target's (DeepSeek-V3 trains both at one rate)."""
+    lm_loss: str = "ce"
+    """L_main: "ce" on the data's tokens, or "kl" from the original target (self-distillation: keeps its outputs)."""
+
+    def __post_init__(self) -> None:
+        if self.lm_loss not in LM_LOSSES:
+            raise ValueError(f"lm_loss must be one of {LM_LOSSES}")
+        if self.modules_warmup_steps < 0 or self.module_lr_multiplier <= 0:
+            raise ValueError("need modules_warmup_steps >= 0 and module_lr_multiplier > 0")
+
+
+@dataclass
+class MTPRecipeConfig:
+    target: TargetConfig
+    data: DataConfig
+    """Training data; the loss mask selects the tokens every depth learns."""
+    train: TrainConfig
+    mtp: ModulesConfig = field(default_factory=ModulesConfig)
+    eval_data: DataConfig | None = None
+    """Held-out data for per-depth loss / accuracy, simulated τ and (joint) the quality guard."""
+    report: ReportConfig = field(default_factory=ReportConfig)
+    joint: JointConfig = field(default_factory=JointConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.features != "online":
+            raise ValueError(
+                "MTP trains on online features (train.features=online): the modules read the target's last-layer "
+                "output before the final norm, which the offline cache does not hold"
+            )
+
+
+# ------------------------------------------------------------------------------------------ helpers
+class JointMTP(nn.Module):
+    """Target + modules as one module (joint mode): one optimizer and one distributed wrapper see both."""
+
+    def __init__(self, target: TargetModel, drafter: MTPDrafter) -> None:
+        super().__init__()
+        self.target, self.drafter = target, drafter
+
+    def forward(self, batch: dict, positions: list[torch.Tensor], lm_positions: torch.Tensor, train_target: bool):
+        """(LM logits at ``lm_positions`` [N, V] or None while the target is frozen, depth d's logits at
+        ``positions[d]``); the target runs without a graph while ``train_target`` is off (modules warm-up)."""
+        with torch.set_grad_enabled(train_target and torch.is_grad_enabled()):
+            out = target_forward(self.target, batch, logits=False)
+        lm_logits = self.target.lm_head(out.last_hidden[lm_positions]) if train_target else None
+        return lm_logits, run_modules(self.drafter, out.pre_norm_last, batch, positions)
+
+
+def run_modules(drafter: MTPDrafter, pre_norm: torch.Tensor, batch: dict, positions: list[torch.Tensor]):
+    """Depth d's logits [N_d, V] at ``positions[d]`` [B, T] bool, teacher-forced on the batch's tokens."""
+    allowed, position_ids, _ = attention_masks(batch)
+    return drafter(pre_norm.to(next(drafter.parameters()).dtype), batch["input_ids"], position_ids, allowed, positions)
+
+
+def depth_targets(batch: dict, D: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(positions, labels) of every depth: depth d at t predicts token t+2+d, a loss token of the same sample."""
+    sample_ids = attention_masks(batch)[2]
+    return [medusa_head_targets(batch["input_ids"], batch["loss_mask"], d, sample_ids) for d in range(D)]
+
+
+@torch.no_grad()
+def evaluate(accelerator, target: TargetModel, drafter: MTPDrafter, eval_set, tc: TrainConfig, R: int, pad_id: int):
+    """Held-out, teacher-forced: every depth's loss and rank accuracy (how often the label is its r-th candidate,
+    r < R) → simulated τ of the chain and expected τ of the chain + top-R sibling tree the proposer builds."""
+    drafter.eval()
+    D = drafter.config.num_modules
+    hits, loss = torch.zeros(D, R, device=accelerator.device), torch.zeros(D, device=accelerator.device)
+    count = torch.zeros(D, device=accelerator.device)
+    for batch in eval_batches(accelerator, tc, eval_set, pad_id):
+        targets = depth_targets(batch, D)
+        pre_norm = target_forward(target, batch, logits=False).pre_norm_last
+        for d, (logits, (positions, labels)) in enumerate(
+            zip(run_modules(drafter, pre_norm, batch, [p for p, _ in targets]), targets)
+        ):
+            hits[d] += rank_hits(logits, labels[positions], R)
+            loss[d] += F.cross_entropy(logits.float(), labels[positions], reduction="sum")
+            count[d] += positions.sum()
+    hits, loss, count = (accelerator.reduce(x, "sum") for x in (hits, loss, count))
+    drafter.train()
+    acc = (hits / count.clamp(min=1)[:, None]).tolist()
+    tree = [(0,) * d + (r,) for d in range(D) for r in range(R)]  # MTPProposer(top_k=R): chain + leaf siblings
+    return {
+        "eval/depth_loss": [round(x, 4) for x in (loss / count.clamp(min=1)).tolist()],
+        "eval/acc": [round(a[0], 4) for a in acc],
+        "eval/rank_acc": [[round(x, 4) for x in a] for a in acc],
+        "eval/simulated_tau": simulated_tau([a[0] for a in acc]),
+        f"eval/tree_top{R}_expected_tau": 1 + expected_accepted(acc, tree),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "report":
+        return report_main(argv[1:], MTPRecipeConfig)
+    cfg = parse_cli(MTPRecipeConfig, argv)
+    tc, mc, jc = cfg.train, cfg.mtp, cfg.joint
+    out, joint = Path(tc.output_dir), cfg.target.mode == "joint"
+    if mc.init_from and not (Path(mc.init_from) / "config.json").exists():
+        raise SystemExit(f"mtp.init_from={mc.init_from}: no checkpoint there (train it first, or set null)")
+    accelerator, log = make_accelerator(tc, find_unused=joint and jc.modules_warmup_steps > 0)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    set_seed(tc.seed)
+    t_start = time.time()
+
+    # ---- target, tokenizer, data
+    tokenizer, pad_id, target, _, train_set, eval_set = load_target_and_data(cfg, accelerator, log)
+
+    # ---- modules (and, in joint mode, the target that trains with them)
+    if mc.init_from:
+        log(f"modules: continuing from {mc.init_from}")
+        drafter = MTPDrafter.from_pretrained(mc.init_from, target, tokenizer)
+        if drafter.config.num_modules != mc.num_modules:
+            raise SystemExit(
+                f"{mc.init_from} has {drafter.config.num_modules} modules, mtp.num_modules is {mc.num_modules}"
+            )
+    else:
+        drafter = MTPDrafter.from_target(target, mc.num_modules, tokenizer, mc.block_init)
+    drafter.train()
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    log(
+        f"modules: {mc.num_modules} x {drafter.config.block_class} ({mc.block_init}), {trainable / 1e6:.1f} M "
+        f"trainable parameters, λ {mc.weights_at(0)}"
+        + (
+            f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
+            if joint
+            else ""
+        )
+    )
+
+    # ---- optimizer, schedule, resume
+    wrap = JointMTP if joint else None
+    model, optimizer, original, before = trained_modules(
+        accelerator, target, drafter, wrap, tc, jc.module_lr_multiplier, eval_set, pad_id
+    )
+    model, optimizer, per_epoch, total_steps, warmup, step = start_training(
+        accelerator, cfg, model, optimizer, len(train_set), log, "mtp", before=before
+    )
+
+    # ---- loop
+    D = mc.num_modules
+    second = "lm_loss" if joint else None
+    progress = Progress(accelerator, tc, total_steps, warmup, step, D, "mtp", second, "depth_loss")
+    micro, last_eval = step * tc.grad_accum, {}
+    while progress.step < total_steps:
+        ids = epoch_batch(len(train_set), micro, per_epoch, tc.seed, rank, world, tc.batch_size)
+        batch = to_device(collate([train_set[i] for i in ids], pad_id), accelerator.device)
+        sync = (micro + 1) % tc.grad_accum == 0
+        targets = depth_targets(batch, D)
+        train_target = joint and progress.step >= jc.modules_warmup_steps
+        with contextlib.nullcontext() if sync else accelerator.no_sync(model), accelerator.autocast():
+            lm_loss = torch.zeros((), device=accelerator.device)
+            if joint:
+                lm_pos, lm_labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)
+                lm_logits, depth_logits = model(batch, [p for p, _ in targets], lm_pos, train_target)
+                if train_target:
+                    lm_loss = joint_lm_loss(jc.lm_loss, lm_logits, target, original, batch, lm_pos, lm_labels)
+            else:
+                with torch.no_grad():
+                    pre_norm = target_forward(target, batch, logits=False).pre_norm_last
+                depth_logits = run_modules(model, pre_norm, batch, [p for p, _ in targets])
+            res = position_losses(depth_logits, targets, mc.weights_at(progress.step))
+            loss = lm_loss + res["loss"]
+            accelerator.backward(loss / tc.grad_accum)
+        progress.add(
+            loss, res["correct"], res["count"], int(batch["attention_mask"].sum()), lm_loss, res["position_loss"]
+        )
+        micro += 1
+        if not sync:
+            continue
+        if joint and not train_target:
+            for p in target.parameters():  # the shared embedding / head are the target's: they wait for the joint phase
+                p.grad = None
+        progress.optimizer_step(model, optimizer)
+        do_log, do_eval = progress.due(eval_set is not None)
+        if do_log:
+            metrics = {**progress.metrics(), "lambda": mc.weights_at(progress.step - 1)}
+            if do_eval:
+                last_eval = evaluate(accelerator, target, drafter, eval_set, tc, mc.tree_ranks, pad_id)
+                if joint:
+                    last_eval.update(quality(accelerator, target, original, eval_set, tc, pad_id))
+                    if before:
+                        last_eval["eval/lm_loss_change"] = round(last_eval["eval/lm_loss"] - before["eval/lm_loss"], 4)
+                metrics.update(last_eval)
+            record(accelerator, tc, metrics, log)
+        if progress.save_due():
+            save_training_state(accelerator, out, {"step": progress.step})
+    step, train_s = progress.step, progress.close()
+
+    # ---- save: resumable state, the target's changes (joint), checkpoint, engine exports
+    save_training_state(accelerator, out, {"step": step})
+    accelerator.end_training()
+    if not accelerator.is_main_process:
+        return
+    if joint:
+        save_target_changes(target, drafter, out)
+    drafter.save_pretrained(out)
+    if tc.export:
+        save_mtp_deepseek(drafter, out / "export-deepseek")
+        if D == 1:
+            save_mtp_qwen3_next(drafter, out / "export-qwen3-next")
+        else:
+            log(f"export: the Qwen3-Next layout holds one module and this drafter has {D}; left out")
+    log(
+        f"saved {out} (+ exports) after {train_s / 60:.1f} min of training, {(time.time() - t_start) / 60:.1f} min total"
+    )
+    notes = f"MTP, {D} module(s) trained {step} steps ({train_s / 60:.1f} min, world {world}, {'joint' if joint else 'frozen target'})."
+    if "eval/acc" in last_eval:
+        notes += (
+            f" Held-out teacher-forced top-1 accuracy per depth {last_eval['eval/acc']}, simulated τ"
+            f" {last_eval['eval/simulated_tau']:.2f}."
+        )
+    if joint and before and "eval/lm_loss" in last_eval:
+        notes += " " + quality_note(before, last_eval)
+    log(notes)
+
+    # ---- report: τ and speedup in the verify runtime on held-out prompts (a joint target as it will be served)
+    if cfg.report.enabled:
+        if joint:
+            target, drafter = served(out, cfg.target, MTPDrafter, tokenizer)
+        run_report(target, drafter, tokenizer, cfg.report, out, eval_set, notes=notes, log=log)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

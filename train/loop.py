@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +76,9 @@ class TrainConfig:
     """Held-out samples per evaluation."""
     save_every: int = 0
     """Optimizer steps between resumable states; 0 = only at the end."""
+    keep_states: int = 2
+    """Resumable states kept on disk: the latest and keep_states - 1 earlier ones (``state.{step}``), so a state
+    damaged after its save still leaves one to resume from."""
     log_with: str | None = None
     """Accelerate tracker ("tensorboard", "wandb", ...); None: stdout + <output_dir>/train_log.jsonl only."""
     export: bool = True
@@ -91,6 +95,8 @@ class TrainConfig:
             raise ValueError("need epochs > 0, batch_size >= 1, grad_accum >= 1, lr > 0")
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("warmup_ratio must be in [0, 1) and min_lr_ratio in [0, 1]")
+        if self.keep_states < 1:
+            raise ValueError("keep_states must be >= 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("max_steps must be >= 1 or None")
 
@@ -296,10 +302,17 @@ class Progress:
         self.tokens += tokens
 
     def optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Learning rate of this step (warm-up + cosine), gradient clipping, the update."""
+        """Learning rate of this step (warm-up + cosine), gradient clipping, the update; a non-finite gradient stops
+        the run before the update (FloatingPointError naming the step)."""
         tc = self.tc
         set_lr(optimizer, warmup_cosine(self.step, self.total_steps, self.warmup, tc.lr, tc.min_lr_ratio))
         self.grad_norm = float(self.accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip))
+        if not math.isfinite(self.grad_norm):  # every rank sees the same all-reduced norm, so all stop together
+            raise FloatingPointError(
+                f"step {self.step + 1}: the gradient norm is {self.grad_norm} (a NaN / inf loss). Stopped before the "
+                f"update: the saved states under {tc.output_dir} are the last good ones (resume from them with a "
+                "lower learning rate, or look at this step's batch)"
+            )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.lr = optimizer.param_groups[0]["lr"]

@@ -282,11 +282,11 @@ def main(argv: list[str]) -> None:
                     metrics.update({k: last_eval[k] for k in ("eval/lm_loss", "eval/agreement")})
             record(accelerator, tc, metrics, log)
         if progress.save_due():
-            save_training_state(accelerator, out, {"step": progress.step})
+            save_training_state(accelerator, out, {"step": progress.step}, tc.keep_states)
     step, train_s = progress.step, progress.close()
 
     # ---- save: resumable state, the target's changes (Medusa-2), checkpoint with its static tree, engine exports
-    save_training_state(accelerator, out, {"step": step})
+    save_training_state(accelerator, out, {"step": step}, tc.keep_states)
     accelerator.end_training()
     if not accelerator.is_main_process:
         return

@@ -290,11 +290,11 @@ def main(argv: list[str]) -> None:
                 metrics.update(last_eval)
             record(accelerator, tc, metrics, log)
         if progress.save_due():
-            save_training_state(accelerator, out, {"step": progress.step})
+            save_training_state(accelerator, out, {"step": progress.step}, tc.keep_states)
     step, train_s = progress.step, progress.close()
 
     # ---- save: resumable state, the target's changes (joint), checkpoint, engine exports
-    save_training_state(accelerator, out, {"step": step})
+    save_training_state(accelerator, out, {"step": step}, tc.keep_states)
     accelerator.end_training()
     if not accelerator.is_main_process:
         return

@@ -333,3 +333,46 @@ def test_kernels_compile_for_hopper() -> None:
 
     sizes = compile_for_nvidia(90)
     assert sizes and all(v > 0 for v in sizes.values())
+
+
+# ------------------------------------------------------------------------------- inputs checked first
+@pytest.mark.parametrize("force", [False, True])
+def test_bad_verify_inputs_give_the_same_error_on_both_paths(force: bool) -> None:
+    """The torch reference raises on an out-of-range token only by accident of indexing, and the kernel would read
+    past the row: both must refuse before running, with one message."""
+    torch.manual_seed(0)
+    B, n, V = 2, 3, 11
+    tokens = torch.randint(0, V, (B, n))
+    parents = torch.tensor([[-1, 0, 1]] * B)
+    valid = torch.ones(B, n, dtype=torch.bool)
+    p = torch.rand(B, n, V).softmax(-1)
+    u = torch.rand(B, n)
+    q = torch.rand(B, n, V).softmax(-1)
+
+    def run(tree: DraftTree, rule: str):
+        if rule == "greedy":
+            return verify_greedy(tree, p.log(), force_triton=force)
+        return verify_rejection(tree, p, u, u, force_triton=force)
+
+    for rule in ("greedy", "rejection"):
+        for bad in (V, -1):
+            t = tokens.clone()
+            t[1, 2] = bad
+            with pytest.raises(ValueError, match=rf"row 1 node 2 has token id {bad}, outside \[0, 11\)"):
+                run(DraftTree(t, parents, valid), rule)
+    not_a_distribution = q.clone()
+    not_a_distribution[0, 1] *= 2  # node 1 has a child (node 2): its q is read
+    negative = q.clone()
+    negative[1, 0, 3] = -0.1
+    negative[1, 0, 4] += 0.1
+    for draft_probs, message in (
+        (not_a_distribution, "must be distributions"),
+        (negative, "must be distributions"),
+        (q.to(torch.bfloat16), "float32 or float64"),
+        (q[..., :-1].softmax(-1), "cover 10 tokens"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            run(DraftTree(tokens, parents, valid, draft_probs), "rejection")
+    unread = q.clone()
+    unread[:, 2] = 0.0  # the last node has no children: its row is never read, so zeros are fine
+    run(DraftTree(tokens, parents, valid, unread), "rejection")

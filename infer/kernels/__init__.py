@@ -41,6 +41,7 @@ ENV_VAR = "DRAFTERS_TRITON"
 
 __all__ = [
     "HAS_TRITON",
+    "check_verify_inputs",
     "compact_kv",
     "compact_kv_reference",
     "rejection_disagreement",
@@ -63,9 +64,43 @@ def use_triton(device: torch.device, force_triton: bool | None = None) -> bool:
     return HAS_TRITON and device.type == "cuda"
 
 
+def check_verify_inputs(tree: DraftTree, vocab_size: int | None) -> None:
+    """The inputs a verify call trusts, checked before either path runs, so the torch reference and the Triton
+    kernel (which would read past a row instead of raising) fail alike, with the same message: every node's token in
+    [0, vocab_size), and each draft distribution the rule reads (the q of a node with valid children) a float32 /
+    float64 distribution (entries >= 0, sum 1 within 1e-3)."""
+    if vocab_size is not None:
+        bad = (tree.tokens < 0) | (tree.tokens >= vocab_size)
+        if bool(bad.any()):
+            b, i = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"draft tree row {b} node {i} has token id {int(tree.tokens[b, i])}, outside [0, {vocab_size})"
+            )
+    q = tree.draft_probs
+    if q is None:
+        return
+    if q.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"draft_probs must be float32 or float64 (low precision breaks the accept ratios), got {q.dtype}"
+        )
+    if vocab_size is not None and q.shape[-1] != vocab_size:
+        raise ValueError(f"draft_probs cover {q.shape[-1]} tokens, the target's vocabulary has {vocab_size}")
+    child = tree.valid.clone()
+    child[:, 0] = False  # the root has no parent
+    rows = torch.arange(tree.batch_size, device=tree.parents.device)[:, None].expand_as(tree.parents)
+    used = torch.zeros_like(tree.valid)
+    used[rows[child], tree.parents[child]] = True
+    q_used = q[used]
+    if q_used.numel() and (
+        bool((q_used < 0).any()) or not torch.allclose(q_used.sum(-1), torch.ones_like(q_used[:, 0]), atol=1e-3)
+    ):
+        raise ValueError("draft_probs rows of nodes with children must be distributions (entries >= 0, sum 1)")
+
+
 def verify_greedy(tree: DraftTree, target: torch.Tensor, *, force_triton: bool | None = None) -> AcceptResult:
     """Greedy tree verify. ``target``: logits [B, n, V] or target argmax [B, n] (integer dtype)."""
     is_logits = target.is_floating_point()
+    check_verify_inputs(tree, target.shape[-1] if is_logits else None)
     ok_dtype = not is_logits or target.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if use_triton(target.device, force_triton) and (ok_dtype or force_triton):
         return AcceptResult(*_tv.greedy_verify(tree.tokens, tree.parents, tree.valid, target))
@@ -81,6 +116,7 @@ def verify_rejection(
     force_triton: bool | None = None,
 ) -> AcceptResult:
     """Lossless tree rejection sampling; ``p`` [B, n, V] warped target probs, uniforms [B, n]."""
+    check_verify_inputs(tree, p.shape[-1])
     if use_triton(p.device, force_triton):
         return AcceptResult(
             *_tv.rejection_verify(tree.tokens, tree.parents, tree.valid, p, tree.draft_probs, accept_u, sample_u)

@@ -25,6 +25,10 @@ class DraftTree:
     """[B, n, V] float: row i is the draft distribution q from which node i's children were sampled
     (without replacement, in child order). None for deterministic (top-k / greedy) drafts, which
     the accept rules treat as one-hot q."""
+    siblings_sampled: bool = False
+    """Declares that a node's several children were *drawn* from its q without replacement (e.g. Gumbel-top-k).
+    Required to pass draft_probs with a node of two or more children: siblings *ranked* by top-k must be verified
+    one-hot (draft_probs None); verified against the q they were ranked by, the output is biased."""
 
     def __post_init__(self) -> None:
         if self.tokens.shape != self.parents.shape or self.tokens.shape != self.valid.shape:
@@ -35,6 +39,15 @@ class DraftTree:
             raise ValueError("the root (node 0) must be valid in every row")
         if self.draft_probs is not None and self.draft_probs.shape[:2] != self.tokens.shape:
             raise ValueError(f"draft_probs must be [B, n, V]; got {tuple(self.draft_probs.shape)}")
+        if self.draft_probs is not None and not self.siblings_sampled and self.tokens.shape[1] > 2:
+            children = torch.zeros_like(self.parents).scatter_add_(
+                1, self.parents[:, 1:].clamp(min=0), self.valid[:, 1:].long()
+            )
+            if bool((children > 1).any()):
+                raise ValueError(
+                    "draft_probs with a node of several children: top-k siblings must be verified one-hot "
+                    "(draft_probs=None); pass siblings_sampled=True only if they were drawn from q without replacement"
+                )
         idx = torch.arange(self.tokens.shape[1], device=self.tokens.device)
         if not bool((self.parents[:, 1:] < idx[1:]).all()) or not bool((self.parents[:, 1:] >= 0).all()):
             raise ValueError("every non-root node needs a parent with a smaller index")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from infer.accept import AcceptResult, accept_greedy, accept_rejection, accept_typical, emitted_tokens
@@ -29,7 +30,9 @@ def tree(
 ) -> DraftTree:
     B, n = len(tokens), len(parents)
     v = torch.ones(B, n, dtype=torch.bool) if valid is None else torch.tensor(valid)
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents).expand(B, n).clone(), v, draft_probs)
+    # trees given a q here stand for siblings drawn from it without replacement
+    parent_ids = torch.tensor(parents).expand(B, n).clone()
+    return DraftTree(torch.tensor(tokens), parent_ids, v, draft_probs, siblings_sampled=draft_probs is not None)
 
 
 def assert_result(res: AcceptResult, paths: list[list[int]], bonus: list[int]) -> None:
@@ -282,3 +285,20 @@ def test_emitted_tokens() -> None:
     t = tree([[9, 5, 7, 3], [9, 5, 7, 3]], [-1, 0, 0, 2])
     res = AcceptResult(torch.tensor([[0, 2, 3, -1], [0, -1, -1, -1]]), torch.tensor([3, 1]), torch.tensor([4, 6]))
     assert emitted_tokens(t, res) == [[7, 3, 4], [6]]
+
+
+def test_top_k_siblings_cannot_be_verified_against_the_q_they_were_ranked_by() -> None:
+    """Siblings ranked by top-k are deterministic drafts: verifying them against q biases the output (issue #12's
+    reproduction: chi-squared p = 0). A tree that gives q with a node of several children must declare that they were
+    sampled; a chain with q, or top-k siblings without q, needs nothing."""
+    q = torch.softmax(torch.randn(1, 4, 7), -1)
+    tokens, parents = torch.tensor([[0, 3, 5, 2]]), torch.tensor([[-1, 0, 0, 0]])
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="top-k siblings must be verified one-hot"):
+        DraftTree(tokens, parents, valid, q)
+    DraftTree(tokens, parents, valid, None)  # one-hot verification of the same siblings
+    DraftTree(tokens, parents, valid, q, siblings_sampled=True)  # drawn from q without replacement
+    DraftTree(tokens, torch.tensor([[-1, 0, 1, 2]]), valid, q)  # a sampled chain
+    one_left = valid.clone()
+    one_left[0, 2:] = False  # padding siblings do not count
+    DraftTree(tokens, parents, one_left, q)

@@ -81,7 +81,8 @@ def build_round(case: Case, root: torch.Tensor, pos: int, gen: torch.Generator) 
         else:
             tokens[:, kids] = draft_logits.topk(len(kids), dim=-1).indices
     parents = torch.tensor(case.parents).expand(B, n).clone()
-    tree = DraftTree(tokens, parents, torch.ones(B, n, dtype=torch.bool), q if case.stochastic else None)
+    valid = torch.ones(B, n, dtype=torch.bool)
+    tree = DraftTree(tokens, parents, valid, q if case.stochastic else None, siblings_sampled=case.stochastic)
     return tree, p
 
 

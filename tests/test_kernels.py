@@ -115,7 +115,7 @@ def rejection_case(
             tokens[b, kids] = picks
     if draft == "degenerate":
         tokens[0, 1] = int(q[0, 0].argmin())  # a drafted token the draft gives zero probability
-    tree = DraftTree(tokens, parents, valid, None if draft == "onehot" else q)
+    tree = DraftTree(tokens, parents, valid, None if draft == "onehot" else q, siblings_sampled=draft != "onehot")
     accept_u = torch.rand(B, n, generator=gen)
     if draft == "degenerate":  # u >= 1/2 rejects every first try where p = q / 2: the residual is all zero
         accept_u[B - 1] = 0.5 + 0.5 * accept_u[B - 1]

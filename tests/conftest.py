@@ -92,39 +92,49 @@ def tiny_recipe(tmp_path_factory):
     return root
 
 
-def recipe_args(root: Path, out: Path, *extra: str) -> list[str]:
-    """Command-line arguments that run the reference EAGLE-3 recipe on `tiny_recipe`'s target and data."""
+def tiny_run_args(recipe: str, root: Path, out: Path) -> list[str]:
+    """A shipped SmolLM2 recipe (``recipes/smollm2-135m/<recipe>.yaml``) pointed at `tiny_recipe`'s target and raw-text
+    data, writing to ``out``: the overrides every recipe test starts from."""
     return [
         "--config",
-        str(ROOT / "recipes" / "smollm2-135m" / "eagle3.yaml"),
+        str(ROOT / "recipes" / "smollm2-135m" / f"{recipe}.yaml"),
         f"target.name_or_path={root / 'target'}",
         "target.device=cpu",
-        "stdlib_corpus_dir=null",
-        f"data.path={root / 'train.jsonl'}",
-        "data.format=text",
-        "data.max_length=96",
-        f"data.cache_dir={root / 'hf-cache'}",
-        f"eval_data.path={root / 'heldout.jsonl'}",
-        "eval_data.format=text",
-        "eval_data.max_length=96",
-        f"eval_data.cache_dir={root / 'hf-cache'}",
+        *(
+            f"{split}.{key}"
+            for split, name in (("data", "train"), ("eval_data", "heldout"))
+            for key in (
+                f"path={root / f'{name}.jsonl'}",
+                "format=text",
+                "max_length=96",
+                f"cache_dir={root / 'hf-cache'}",
+            )
+        ),
         f"train.output_dir={out}",
-        "train.features=online",
         "train.mixed_precision=fp32",  # tests compare numbers; the automatic choice has its own test
         "train.batch_size=2",
-        "train.grad_accum=1",
         "train.lr=3e-3",
         "train.log_every=2",
         "train.eval_samples=4",
-        "train.max_train_samples=null",
-        "train.epochs=1",
         "train.save_every=0",
-        "drafter.draft_vocab_size=128",
-        "drafter.ttt_steps=3",
         "report.prompt_source=eval_data",
         "report.prompts=2",
         "report.prompt_tokens=24",
         "report.max_new_tokens=10",
+    ]
+
+
+def recipe_args(root: Path, out: Path, *extra: str) -> list[str]:
+    """Command-line arguments that run the reference EAGLE-3 recipe on `tiny_recipe`'s target and data."""
+    return [
+        *tiny_run_args("eagle3", root, out),
+        "stdlib_corpus_dir=null",
+        "train.features=online",
+        "train.grad_accum=1",
+        "train.max_train_samples=null",
+        "train.epochs=1",
+        "drafter.draft_vocab_size=128",
+        "drafter.ttt_steps=3",
         "report.chain_k=3",
         "report.tree_top_k=2",
         "report.tree_depth=3",

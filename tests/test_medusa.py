@@ -23,7 +23,7 @@ from models.export import (
 from models.loader import load_drafter
 from models.medusa import MedusaConfig, MedusaDrafter
 from models.target import TargetModel
-from tests.conftest import ROOT, tiny_llama
+from tests.conftest import ROOT, tiny_llama, tiny_run_args
 from train.losses import medusa_head_targets, rank_hits
 
 
@@ -205,34 +205,12 @@ def test_trained_like_heads_keep_greedy_and_sampled_decoding_lossless(tiny_targe
 def medusa_args(root, out, *extra: str) -> list[str]:
     """The shipped Medusa-1 recipe on `tiny_recipe`'s target and data (raw text), sized to run in seconds."""
     return [
-        "--config",
-        str(ROOT / "recipes" / "smollm2-135m" / "medusa1.yaml"),
-        f"target.name_or_path={root / 'target'}",
-        "target.device=cpu",
-        f"data.path={root / 'train.jsonl'}",
-        "data.format=text",
-        "data.max_length=96",
-        f"data.cache_dir={root / 'hf-cache'}",
-        f"eval_data.path={root / 'heldout.jsonl'}",
-        "eval_data.format=text",
-        "eval_data.max_length=96",
-        f"eval_data.cache_dir={root / 'hf-cache'}",
-        f"train.output_dir={out}",
+        *tiny_run_args("medusa1", root, out),
         "train.features=offline",
         f"train.features_dir={out / 'features'}",
-        "train.mixed_precision=fp32",
-        "train.batch_size=2",
-        "train.lr=3e-3",
-        "train.log_every=2",
-        "train.eval_samples=4",
         "train.epochs=1",
-        "train.save_every=0",
         "heads.tree_nodes=5",
         "heads.tree_ranks=2",
-        "report.prompt_source=eval_data",
-        "report.prompts=2",
-        "report.prompt_tokens=24",
-        "report.max_new_tokens=10",
         "report.chain_from_cost_curve=false",
         "report.draft_model=null",
         "report.compare=[]",

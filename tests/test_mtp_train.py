@@ -13,7 +13,7 @@ from models.config import ConfigError, load_config
 from models.loader import load_drafter, load_target
 from models.mtp import MTPDrafter
 from models.target import TargetConfig, TargetModel
-from tests.conftest import ROOT
+from tests.conftest import ROOT, tiny_run_args
 from train.mtp import ModulesConfig, MTPRecipeConfig
 
 RECIPE = ROOT / "recipes" / "smollm2-135m" / "mtp.yaml"
@@ -39,31 +39,9 @@ def test_offline_features_are_refused_with_the_reason():
 def mtp_args(root, out, *extra: str) -> list[str]:
     """The shipped frozen MTP recipe on `tiny_recipe`'s target and data (raw text), sized to run in seconds."""
     return [
-        "--config",
-        str(RECIPE),
-        f"target.name_or_path={root / 'target'}",
-        "target.device=cpu",
-        f"data.path={root / 'train.jsonl'}",
-        "data.format=text",
-        "data.max_length=96",
-        f"data.cache_dir={root / 'hf-cache'}",
-        f"eval_data.path={root / 'heldout.jsonl'}",
-        "eval_data.format=text",
-        "eval_data.max_length=96",
-        f"eval_data.cache_dir={root / 'hf-cache'}",
-        f"train.output_dir={out}",
-        "train.mixed_precision=fp32",
-        "train.batch_size=2",
-        "train.lr=3e-3",
-        "train.log_every=2",
+        *tiny_run_args("mtp", root, out),
         "train.eval_every=0",
-        "train.eval_samples=4",
-        "train.save_every=0",
         "mtp.tree_ranks=2",
-        "report.prompt_source=eval_data",
-        "report.prompts=2",
-        "report.prompt_tokens=24",
-        "report.max_new_tokens=10",
         "report.compare=[]",
         *extra,
     ]

@@ -55,6 +55,20 @@ def test_a_missing_init_checkpoint_is_refused_before_anything_loads(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_dataset_with_nothing_to_train_on_is_refused_before_the_target_loads(tiny_recipe, tmp_path, monkeypatch):
+    import train.loop
+    import train.mtp as recipe
+
+    (tmp_path / "blank.jsonl").write_text("".join(json.dumps({"text": " " * i}) + "\n" for i in range(5)))
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target loaded before the data was checked")
+
+    monkeypatch.setattr(train.loop.TargetModel, "from_config", no_target)
+    with pytest.raises(SystemExit, match=r"none of its 5 rows gives a training sample \(skipped: \{'empty_text': 5\}"):
+        recipe.main(mtp_args(tiny_recipe, tmp_path / "out", f"data.path={tmp_path / 'blank.jsonl'}"))
+
+
 def read_log(out) -> list[dict]:
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
 

@@ -208,12 +208,18 @@ def load_target_and_data(cfg, accelerator: Accelerator, log, prepare: Callable[[
     tc = cfg.train
     tokenizer = load_tokenizer(cfg.target.name_or_path, cfg.target.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    target = TargetModel.from_config(cfg.target)
     with accelerator.main_process_first():
         if prepare is not None and accelerator.is_main_process:
             prepare(tokenizer)
         full, summary = build_dataset(cfg.data, tokenizer)
         eval_set = build_dataset(cfg.eval_data, tokenizer)[0] if cfg.eval_data is not None else None
+    if summary["kept"] == 0:  # before the target loads: nothing here can train
+        reasons = {k: v for k, v in summary["skipped"].items() if v}
+        raise SystemExit(
+            f"{cfg.data.path}: none of its {summary['rows']} rows gives a training sample (skipped: {reasons}); a chat "
+            "dataset needs assistant turns with content, raw text needs text, and data.max_length must leave a loss token"
+        )
+    target = TargetModel.from_config(cfg.target)
     train_set = full
     # a seeded random subset: a corpus in file order has a few sources at its head
     if tc.max_train_samples is not None:

@@ -2,7 +2,7 @@
 LM loss that keeps it close to that original, the held-out quality guard, and saving its changes beside the drafter.
 
 With LoRA the original costs nothing: the adapter is switched off. Full fine-tuning keeps a frozen copy (one more
-target in memory; the 8B recipes' headers count it).
+target in memory; `drafters estimate` counts it).
 """
 
 from __future__ import annotations

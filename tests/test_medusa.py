@@ -314,6 +314,15 @@ def test_medusa2_trains_the_target_with_the_heads_and_the_checkpoint_loads_as_on
     assert not torch.allclose(base(ids).logits, changed(ids).logits)  # the adapter trained and is applied
     rows = json.loads((out / "report.json").read_text())["results"]
     assert all(r["greedy_identical"] == 1.0 for r in rows if r["proposer"] == "medusa")
+    # measured again later in report mode: the report still states the target's change (from the training log)
+    again = [
+        "report.prompts=1",
+        "report.max_new_tokens=4",
+        "report.temperatures=[0.0]",
+        f"report.output_dir={out / 'again'}",
+    ]
+    recipe.main(["report", "--drafter", str(out), *medusa_args(tiny_recipe, out, *joint, "target.lora_rank=4", *again)])
+    assert "top-1 agreement with the original 1.0000 → " in (out / "again" / "report.md").read_text()
 
     # full fine-tuning: the whole target is saved with the heads; during the heads warm-up it does not move
     out = tmp_path / "full"

@@ -10,6 +10,7 @@ named in ``compare`` the same way, and (when given) a small draft model with the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from models.medusa import MedusaDrafter
 from models.mtp import MTPDrafter
 from models.target import TargetConfig, TargetModel, load_tokenizer
 from train.data import build_dataset
+from train.joint import quality_note
 
 Drafter = Eagle3Drafter | MedusaDrafter | MTPDrafter
 
@@ -290,4 +292,19 @@ def report_main(argv: list[str], recipe_cls: type) -> None:
     target = load_target(drafter_dir, target_cfg)  # with the changes of a jointly trained target applied
     drafter = load_drafter(drafter_dir, target, tokenizer)
     eval_set = build_dataset(cfg.eval_data, tokenizer)[0] if recipe and cfg.eval_data is not None else None
-    run_report(target, drafter, tokenizer, cfg.report, cfg.report.output_dir or drafter_dir, eval_set)
+    notes = joint_notes(drafter_dir)
+    run_report(target, drafter, tokenizer, cfg.report, cfg.report.output_dir or drafter_dir, eval_set, notes=notes)
+
+
+def joint_notes(drafter_dir: str | Path) -> str:
+    """The quality-guard sentence of a jointly trained checkpoint, from the training log in its folder (empty when
+    there is none), so a report re-measured later still states the target's change next to τ."""
+    log = Path(drafter_dir) / "train_log.jsonl"
+    if not log.exists():
+        return ""
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    before = next((r for r in rows if "before/lm_loss" in r), None)
+    after = next((r for r in reversed(rows) if "eval/lm_loss" in r), None)
+    if before is None or after is None:
+        return ""
+    return quality_note({f"eval/{k.split('/')[1]}": v for k, v in before.items() if "/" in k}, after)

@@ -1,5 +1,6 @@
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,6 +91,36 @@ def tiny_recipe(tmp_path_factory):
         with open(root / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in list(chunks(ts))[:120])
     return root
+
+
+def run_entry(script: str, args: list[str], launcher: str = "python", **popen) -> subprocess.Popen:
+    """Start ``train/<script>`` in a fresh process (one intra-op thread per rank): ``launcher`` "python" (one
+    process), "accelerate" (two CPU ranks through recipes/accelerate/cpu_2proc.yaml) or "torchrun" (two ranks).
+    The caller waits on it (``communicate``)."""
+    bin_dir, entry = Path(sys.executable).parent, str(ROOT / "train" / script)
+    cmd = {
+        "python": [sys.executable, entry],
+        "accelerate": [
+            str(bin_dir / "accelerate"),
+            "launch",
+            "--config_file",
+            str(ROOT / "recipes/accelerate/cpu_2proc.yaml"),
+            entry,
+        ],
+        "torchrun": [str(bin_dir / "torchrun"), "--nproc_per_node", "2", entry],
+    }[launcher]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [*cmd, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+    )
+
+
+def run_to_end(script: str, args: list[str], launcher: str = "python") -> str:
+    """`run_entry` waited for: its stdout; fails the test with the end of stderr if it exits non-zero."""
+    proc = run_entry(script, args, launcher)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    return out
 
 
 def tiny_run_args(recipe: str, root: Path, out: Path) -> list[str]:

@@ -7,15 +7,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT
+from tests.conftest import run_entry, run_to_end
 from tests.test_mtp_train import mtp_args
 from train.checkpoint import load_training_state, save_training_state
 
@@ -65,21 +63,13 @@ def test_states_rotate_and_every_state_a_crash_leaves_loads_the_newest_good_one(
         load_training_state(acc, tmp_path)
 
 
-def _run(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(ROOT / "train" / "mtp.py"), *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 @pytest.mark.integration
 def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tiny_recipe, tmp_path):
     common = ["train.max_steps=8", "train.save_every=2", "report.enabled=false", "train.export=false"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    proc = _run(mtp_args(tiny_recipe, whole, *common))
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    run_to_end("mtp.py", mtp_args(tiny_recipe, whole, *common))
 
-    proc = _run(mtp_args(tiny_recipe, killed, *common))
+    proc = run_entry("mtp.py", mtp_args(tiny_recipe, killed, *common))
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         try:
@@ -92,9 +82,7 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tiny_recipe, tmp_
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert not (killed / "config.json").exists()  # it died before the end
-    proc = _run(mtp_args(tiny_recipe, killed, *common))
-    printed, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    printed = run_to_end("mtp.py", mtp_args(tiny_recipe, killed, *common))
     resumed = int(printed.split("resumed at step ")[1].split()[0])  # it resumed, not restarted
     assert 4 <= resumed < 8
 

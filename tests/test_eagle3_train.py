@@ -10,8 +10,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from safetensors.torch import load_file
 
 import train.eagle3 as recipe
 from models.config import parse_cli
-from tests.conftest import recipe_args
+from tests.conftest import recipe_args, run_to_end
 from train.losses import eagle3_ttt_loss, shift_left, simulated_tau
 from train.optim import warmup_cosine
 
@@ -272,21 +270,7 @@ def test_offline_features_match_online_losses(tiny_recipe, tmp_path):
 def test_two_cpu_ranks_train_on_disjoint_shards(tiny_recipe, tmp_path, launcher):
     out = tmp_path / launcher
     args = recipe_args(tiny_recipe, out, "train.max_steps=2", "report.enabled=false", "train.export=false")
-    bin_dir = Path(sys.executable).parent
-    if launcher == "torchrun":
-        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", "2", str(ROOT / "train" / "eagle3.py"), *args]
-    else:
-        cmd = [
-            str(bin_dir / "accelerate"),
-            "launch",
-            "--config_file",
-            str(ROOT / "recipes/accelerate/cpu_2proc.yaml"),
-            str(ROOT / "train" / "eagle3.py"),
-            *args,
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_to_end("eagle3.py", args, launcher)
     sharding = read_log(out)[0]["sharding"]
     assert sharding["world"] == 2 and "MULTI_CPU" in sharding["distributed_type"]
     assert sharding["distinct_over_ranks"] == sharding["total_over_ranks"] == 2 * sharding["samples_per_rank"]

@@ -23,7 +23,7 @@ from models.export import (
 from models.loader import load_drafter
 from models.medusa import MedusaConfig, MedusaDrafter
 from models.target import TargetModel
-from tests.conftest import ROOT, tiny_llama, tiny_run_args
+from tests.conftest import run_to_end, tiny_llama, tiny_run_args
 from train.losses import medusa_head_targets, rank_hits
 
 
@@ -334,21 +334,11 @@ def test_medusa2_trains_the_target_with_the_heads_and_the_checkpoint_loads_as_on
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["medusa1", "medusa2"])
 def test_two_cpu_ranks_through_accelerate_launch(tiny_recipe, tmp_path, mode):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     out = tmp_path / mode
     args = medusa_args(tiny_recipe, out, "train.max_steps=2", "report.enabled=false", "train.export=false")
     if mode == "medusa2":
         args += ["target.mode=joint", "target.lora_rank=4", "train.features=online", "joint.heads_warmup_steps=1"]
-    bin_dir = Path(sys.executable).parent
-    config = str(ROOT / "recipes/accelerate/cpu_2proc.yaml")
-    cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", config, str(ROOT / "train" / "medusa.py"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_to_end("medusa.py", args, "accelerate")
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     sharding = next(r["sharding"] for r in log if "sharding" in r)
     assert sharding["world"] == 2 and sharding["distinct_over_ranks"] == sharding["total_over_ranks"]

@@ -13,7 +13,7 @@ from models.config import ConfigError, load_config
 from models.loader import load_drafter, load_target
 from models.mtp import MTPDrafter
 from models.target import TargetConfig, TargetModel
-from tests.conftest import ROOT, tiny_run_args
+from tests.conftest import ROOT, run_to_end, tiny_run_args
 from train.mtp import ModulesConfig, MTPRecipeConfig
 
 RECIPE = ROOT / "recipes" / "smollm2-135m" / "mtp.yaml"
@@ -147,21 +147,11 @@ def test_joint_lora_trains_the_target_with_the_modules_and_reports_the_quality_g
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["frozen", "joint"])
 def test_two_cpu_ranks_through_accelerate_launch(tiny_recipe, tmp_path, mode):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     out = tmp_path / mode
     args = mtp_args(tiny_recipe, out, "train.max_steps=2", "report.enabled=false", "train.export=false")
     if mode == "joint":
         args += ["target.mode=joint", "target.lora_rank=4", "joint.modules_warmup_steps=1"]
-    bin_dir = Path(sys.executable).parent
-    config = str(ROOT / "recipes/accelerate/cpu_2proc.yaml")
-    cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", config, str(ROOT / "train" / "mtp.py"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_to_end("mtp.py", args, "accelerate")
     sharding = next(r["sharding"] for r in read_log(out) if "sharding" in r)
     assert sharding["world"] == 2 and sharding["distinct_over_ranks"] == sharding["total_over_ranks"]
     assert read_checkpoint(out)[1].target_weights == (None if mode == "frozen" else "lora")

@@ -18,7 +18,8 @@ class SamplingParams:
     top_k: int = 0
     """Keep only the k most likely tokens before sampling; 0 disables."""
     top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose mass reaches top_p; 1.0 disables."""
+    """Nucleus sampling: keep the smallest set of tokens whose mass reaches top_p (tokens tied at the edge chosen as
+    HF's warper chooses them); 1.0 disables."""
     max_new_tokens: int = 128
     """Hard cap on generated tokens per row; never exceeded, even inside an accepted draft run."""
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -52,10 +53,12 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the mass *before* it already reaches top_p (the top token always stays)
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        # Cut from the low end, with the same ascending sort as HF's TopPLogitsWarper: a token goes when the mass
+        # at or below it is within 1 - top_p. Equal logits at the edge are ordered by that (unstable) sort, so the
+        # same sort call is what keeps the same tied tokens as HF on the same device; the top token always stays.
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        drop_sorted = sorted_logits.softmax(-1).cumsum(-1) <= 1 - params.top_p
+        drop_sorted[..., -1] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from models.config import from_dict
 from models.target import AUX_LAYER_CONVENTION, TargetModel, tokenizer_fingerprint
@@ -117,6 +118,21 @@ def read_checkpoint(path: str | Path) -> tuple[dict, TargetInfo]:
         raise ValueError(f"{config_path} has no 'drafters' block: not a drafters checkpoint")
     raw.pop("architectures", None)
     return raw, from_dict(TargetInfo, block)
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint folder's model.safetensors (safetensors only: nothing in it can run code), with an
+    error naming the file when it is missing or does not parse (truncated by a full disk or an interrupted copy)."""
+    file = Path(path) / WEIGHTS_NAME
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} is missing: the checkpoint folder has a config but no weights")
+    try:
+        return load_file(str(file))
+    except SafetensorError as e:
+        raise ValueError(
+            f"{file} ({file.stat().st_size:,} bytes) does not read as safetensors ({e}): truncated or not a "
+            "safetensors file; copy or save it again"
+        ) from e
 
 
 def write_checkpoint(

@@ -33,12 +33,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 from transformers import LlamaConfig, PreTrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from models.checkpoint import WEIGHTS_NAME, TargetInfo, read_checkpoint, write_checkpoint
+from models.checkpoint import TargetInfo, read_checkpoint, read_weights, write_checkpoint
 from models.config import from_dict
 from models.target import TargetModel
 
@@ -451,14 +450,22 @@ class Eagle3Drafter(nn.Module):
         """Everything saved: all weights except the frozen target embedding, plus d2t / t2d."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """config.json (Eagle3Config + ``drafters`` block) and model.safetensors; bit-exact on reload."""
+    def save_pretrained(self, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """config.json (Eagle3Config + ``drafters`` block) and model.safetensors; bit-exact on reload.
+        ``state``: the weights to write instead of this module's own, by the same names (a sharded engine's gathered
+        copy: `train.loop.full_state`).
+        """
         if self.target_info is None:
             raise ValueError(
                 "target_info is unset: build the drafter with from_target so the checkpoint names its target"
             )
+        own = self.trainable_state_dict()
         write_checkpoint(
-            path, "Eagle3Drafter", dataclasses.asdict(self.config), self.target_info, self.trainable_state_dict()
+            path,
+            "Eagle3Drafter",
+            dataclasses.asdict(self.config),
+            self.target_info,
+            own if state is None else {k: state[k] for k in own},
         )
 
     @classmethod
@@ -466,7 +473,7 @@ class Eagle3Drafter(nn.Module):
         """Load a checkpoint for ``target``; refuses (ValueError) a mismatching target before reading weights."""
         cfg, info = read_checkpoint_config(path)
         info.check(target, tokenizer)
-        state = load_file(str(Path(path) / WEIGHTS_NAME))
+        state = read_weights(path)
         drafter = cls(cfg, info)
         missing, unexpected = drafter.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith("embed_tokens.")]

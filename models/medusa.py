@@ -27,10 +27,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
-from models.checkpoint import WEIGHTS_NAME, TargetInfo, read_checkpoint, write_checkpoint
+from models.checkpoint import TargetInfo, read_checkpoint, read_weights, write_checkpoint
 from models.config import from_dict
 from models.target import TargetModel
 
@@ -115,13 +114,23 @@ class MedusaDrafter(nn.Module):
         """Point a shared head at ``target``'s lm_head (a jointly trained target's current head is then used)."""
         self._target_head = [target.lm_head]
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """config.json (MedusaConfig + ``drafters`` block) and model.safetensors; bit-exact on reload."""
+    def save_pretrained(self, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """config.json (MedusaConfig + ``drafters`` block) and model.safetensors; bit-exact on reload.
+        ``state``: the weights to write instead of this module's own, by the same names (a sharded engine's gathered
+        copy: `train.loop.full_state`).
+        """
         if self.target_info is None:
             raise ValueError(
                 "target_info is unset: build the heads with from_target so the checkpoint names its target"
             )
-        write_checkpoint(path, "MedusaDrafter", dataclasses.asdict(self.config), self.target_info, self.state_dict())
+        own = self.state_dict()
+        write_checkpoint(
+            path,
+            "MedusaDrafter",
+            dataclasses.asdict(self.config),
+            self.target_info,
+            own if state is None else {k: state[k] for k in own},
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: TargetModel, tokenizer=None) -> MedusaDrafter:
@@ -132,7 +141,7 @@ class MedusaDrafter(nn.Module):
         info.check(target, tokenizer)
         cfg = from_dict(MedusaConfig, raw)
         drafter = cls(cfg, info)
-        drafter.load_state_dict(load_file(str(Path(path) / WEIGHTS_NAME)), strict=True)
+        drafter.load_state_dict(read_weights(path), strict=True)
         drafter.to(device=target.device, dtype=target.lm_head.weight.dtype)
         drafter.attach_target(target)
         return drafter

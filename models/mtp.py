@@ -28,10 +28,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
-from models.checkpoint import WEIGHTS_NAME, TargetInfo, read_checkpoint, write_checkpoint
+from models.checkpoint import TargetInfo, read_checkpoint, read_weights, write_checkpoint
 from models.config import from_dict
 from models.eagle3 import RMSNorm
 from models.target import TargetModel
@@ -176,13 +175,23 @@ class MTPDrafter(nn.Module):
         """Use ``target``'s embedding, final norm and head (a jointly trained target's current ones)."""
         self._target = [target]
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """config.json (MTPConfig + ``drafters`` block) and model.safetensors; bit-exact on reload."""
+    def save_pretrained(self, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """config.json (MTPConfig + ``drafters`` block) and model.safetensors; bit-exact on reload.
+        ``state``: the weights to write instead of this module's own, by the same names (a sharded engine's gathered
+        copy: `train.loop.full_state`).
+        """
         if self.target_info is None:
             raise ValueError(
                 "target_info is unset: build the modules with from_target so the checkpoint names its target"
             )
-        write_checkpoint(path, "MTPDrafter", dataclasses.asdict(self.config), self.target_info, self.state_dict())
+        own = self.state_dict()
+        write_checkpoint(
+            path,
+            "MTPDrafter",
+            dataclasses.asdict(self.config),
+            self.target_info,
+            own if state is None else {k: state[k] for k in own},
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: TargetModel, tokenizer=None) -> MTPDrafter:
@@ -192,7 +201,7 @@ class MTPDrafter(nn.Module):
             raise ValueError(f"{path}: not an {METHOD} checkpoint (method={info.method!r})")
         info.check(target, tokenizer)
         drafter = cls(from_dict(MTPConfig, raw), target, info)
-        state = load_file(str(Path(path) / WEIGHTS_NAME))
+        state = read_weights(path)
         missing, unexpected = drafter.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"{path}: missing keys {missing}, unexpected keys {unexpected}")

@@ -93,22 +93,28 @@ def tiny_recipe(tmp_path_factory):
     return root
 
 
+# `accelerate launch` configs (recipes/accelerate/) by engine; the GPU ones run here on two CPU ranks
+ENGINE_CONFIGS = {
+    "ddp": "cpu_2proc.yaml",
+    "zero2": "deepspeed_zero2.yaml",
+    "zero3": "deepspeed_zero3.yaml",
+    "fsdp": "fsdp_8gpu.yaml",
+}
+
+
 def run_entry(script: str, args: list[str], launcher: str = "python", **popen) -> subprocess.Popen:
     """Start ``train/<script>`` in a fresh process (one intra-op thread per rank): ``launcher`` "python" (one
-    process), "accelerate" (two CPU ranks through recipes/accelerate/cpu_2proc.yaml) or "torchrun" (two ranks).
-    The caller waits on it (``communicate``)."""
+    process), "torchrun" (two ranks) or an engine of `ENGINE_CONFIGS` (two CPU ranks through ``accelerate launch``
+    with that config, in fp32). The caller waits on it (``communicate``)."""
     bin_dir, entry = Path(sys.executable).parent, str(ROOT / "train" / script)
-    cmd = {
-        "python": [sys.executable, entry],
-        "accelerate": [
-            str(bin_dir / "accelerate"),
-            "launch",
-            "--config_file",
-            str(ROOT / "recipes/accelerate/cpu_2proc.yaml"),
-            entry,
-        ],
-        "torchrun": [str(bin_dir / "torchrun"), "--nproc_per_node", "2", entry],
-    }[launcher]
+    if launcher == "python":
+        cmd = [sys.executable, entry]
+    elif launcher == "torchrun":
+        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", "2", entry]
+    else:
+        config = str(ROOT / "recipes" / "accelerate" / ENGINE_CONFIGS[launcher])
+        cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", config, "--num_processes", "2"]
+        cmd += ["--mixed_precision", "no", entry]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         [*cmd, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen

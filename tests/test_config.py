@@ -100,3 +100,17 @@ def test_every_recipe_loads_and_validates(path):
 
 def test_recipes_exist():
     assert _recipe_files(), "no recipes shipped"
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("deepspeed/*.json")), ids=lambda p: p.name)
+def test_every_deepspeed_config_is_launched_by_an_accelerate_config_and_builds(path):
+    from accelerate.utils import DeepSpeedPlugin
+
+    launchers = [p for p in RECIPES.glob("accelerate/*.yaml") if str(path.relative_to(RECIPES.parent)) in p.read_text()]
+    assert launchers, f"no recipes/accelerate config launches {path.name}"
+    plugin = DeepSpeedPlugin(hf_ds_config=str(path))
+    assert plugin.zero_stage == int(path.stem.removeprefix("zero"))
+    # batch sizes and clipping are the recipe's (train/loop.py fills "auto"); ZeRO-3 must gather to save one file
+    assert all(plugin.deepspeed_config[k] == "auto" for k in ("train_micro_batch_size_per_gpu", "gradient_clipping"))
+    if plugin.zero_stage == 3:
+        assert plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True

@@ -173,3 +173,33 @@ def test_compact_kv_left_aligns_each_rows_valid_entries_once_holes_dominate():
     few[0, :40] = True  # 40 + 64 used-equivalent: below the threshold, nothing moves
     same = compact_kv(keys, values, few)
     assert same[0] is keys and same[2] is few
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_warping_keeps_the_tokens_hf_warpers_keep_including_ties_at_the_nucleus_edge(seed):
+    """Temperature, top-k and top-p against transformers' warpers, on logits drawn from a coarse grid so that many
+    tokens tie, also at the top-p edge (where a choice among equal logits must be made: the higher ids stay)."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from infer.sampling import warp_logits
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 6, (8, 40), generator=g).float() / 2  # ~7 tokens per value
+    for params in (
+        SamplingParams(temperature=0.8, top_p=0.5),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=0.7, top_k=12, top_p=0.6),
+    ):
+        hf = TemperatureLogitsWarper(params.temperature)(None, logits.clone())
+        if params.top_k:
+            hf = TopKLogitsWarper(params.top_k)(None, hf)
+        if params.top_p < 1.0:
+            hf = TopPLogitsWarper(params.top_p)(None, hf)
+        ours = warp_logits(logits, params)
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(hf)), params
+        torch.testing.assert_close(ours.softmax(-1), hf.softmax(-1))

@@ -332,14 +332,13 @@ def test_medusa2_trains_the_target_with_the_heads_and_the_checkpoint_loads_as_on
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("mode", ["medusa1", "medusa2"])
-def test_two_cpu_ranks_through_accelerate_launch(tiny_recipe, tmp_path, mode):
-    out = tmp_path / mode
+def test_medusa2_on_two_cpu_ranks_through_accelerate_launch(tiny_recipe, tmp_path):
+    """Joint training under DDP (Medusa-1 under every engine: tests/test_engines.py)."""
+    out = tmp_path / "medusa2"
     args = medusa_args(tiny_recipe, out, "train.max_steps=2", "report.enabled=false", "train.export=false")
-    if mode == "medusa2":
-        args += ["target.mode=joint", "target.lora_rank=4", "train.features=online", "joint.heads_warmup_steps=1"]
-    run_to_end("medusa.py", args, "accelerate")
+    args += ["target.mode=joint", "target.lora_rank=4", "train.features=online", "joint.heads_warmup_steps=1"]
+    run_to_end("medusa.py", args, "ddp")
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     sharding = next(r["sharding"] for r in log if "sharding" in r)
     assert sharding["world"] == 2 and sharding["distinct_over_ranks"] == sharding["total_over_ranks"]
-    assert read_checkpoint(out)[1].target_weights == (None if mode == "medusa1" else "lora")
+    assert read_checkpoint(out)[1].target_weights == "lora"

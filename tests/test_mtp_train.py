@@ -145,13 +145,55 @@ def test_joint_lora_trains_the_target_with_the_modules_and_reports_the_quality_g
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("mode", ["frozen", "joint"])
-def test_two_cpu_ranks_through_accelerate_launch(tiny_recipe, tmp_path, mode):
-    out = tmp_path / mode
+def test_joint_mode_on_two_cpu_ranks_through_accelerate_launch(tiny_recipe, tmp_path):
+    """Joint training under DDP (the frozen mode under every engine: tests/test_engines.py)."""
+    out = tmp_path / "joint"
     args = mtp_args(tiny_recipe, out, "train.max_steps=2", "report.enabled=false", "train.export=false")
-    if mode == "joint":
-        args += ["target.mode=joint", "target.lora_rank=4", "joint.modules_warmup_steps=1"]
-    run_to_end("mtp.py", args, "accelerate")
+    args += ["target.mode=joint", "target.lora_rank=4", "joint.modules_warmup_steps=1"]
+    run_to_end("mtp.py", args, "ddp")
     sharding = next(r["sharding"] for r in read_log(out) if "sharding" in r)
     assert sharding["world"] == 2 and sharding["distinct_over_ranks"] == sharding["total_over_ranks"]
-    assert read_checkpoint(out)[1].target_weights == (None if mode == "frozen" else "lora")
+    assert read_checkpoint(out)[1].target_weights == "lora"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_the_recipe_tracker_logs_every_step_offline(tiny_recipe, tmp_path, monkeypatch, tracker):
+    """train.log_with: the same loss per step as train_log.jsonl reaches tensorboard's event file, or wandb's offline
+    run (WANDB_MODE=offline, no network), under the output folder."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / tracker
+    steps = ("train.max_steps=3", "train.log_every=1", "report.enabled=false", "train.export=false")
+    run_to_end("mtp.py", mtp_args(tiny_recipe, out, *steps, f"train.log_with={tracker}"))
+    logged = [r for r in read_log(out) if "loss" in r]
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    if tracker == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(out / "mtp"))
+        events.Reload()
+        for name, key in (("loss", None), ("acc/1", 1)):
+            seen = [(e.step, e.value) for e in events.Scalars(name)]
+            want = [(r["step"], r["loss"] if key is None else r["acc"][key]) for r in logged]
+            assert [s for s, _ in seen] == [s for s, _ in want]
+            assert [v for _, v in seen] == pytest.approx([v for _, v in want], rel=1e-6)
+    else:
+        (run,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+        data = run.read_bytes()
+        # the history records hold each metric's name and its JSON value
+        for r in logged:
+            assert json.dumps(r["loss"]).encode() in data and json.dumps(r["grad_norm"]).encode() in data
+        assert b"depth_loss/1" in data and b"eval/simulated_tau" in data
+
+
+def test_an_unknown_or_missing_tracker_is_refused(monkeypatch):
+    """Accelerate only warns and trains without a tracker it cannot find; the recipe refuses at config time."""
+    import importlib.util
+
+    from train.loop import TrainConfig
+
+    with pytest.raises(ValueError, match="log_with must be one of"):
+        TrainConfig(output_dir="x", log_with="tensorbord")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"the wandb package is not installed \(pip install 'drafters\[wandb\]'\)"):
+        TrainConfig(output_dir="x", log_with="wandb")

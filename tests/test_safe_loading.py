@@ -50,3 +50,17 @@ def test_a_pickle_in_place_of_the_drafter_weights_is_refused_without_running(tin
     with pytest.raises(Exception, match="header|Header|deserializ"):
         load_drafter(tmp_path, tiny_target)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_missing_or_truncated_drafter_weights_name_the_file(tiny_target, tmp_path, damage):
+    MTPDrafter.from_target(tiny_target, num_modules=1).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    if damage == "missing":
+        weights.unlink()
+        with pytest.raises(FileNotFoundError, match=r"model.safetensors is missing: the checkpoint folder has a config"):
+            load_drafter(tmp_path, tiny_target)
+    else:
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
+        with pytest.raises(ValueError, match=r"model.safetensors \(.* bytes\) does not read as safetensors"):
+            load_drafter(tmp_path, tiny_target)

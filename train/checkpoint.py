@@ -18,7 +18,9 @@ import pickle
 import shutil
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 STATE_DIR = "state"
 
@@ -68,6 +70,19 @@ def save_training_state(accelerator: Accelerator, output_dir: str | Path, counte
     accelerator.wait_for_everyone()
 
 
+def _check_deepspeed_files(state: Path) -> None:
+    """DeepSpeed reads its own checkpoint files with pickle (``weights_only=False``); each is first read here the
+    safe way, allowing only the three DeepSpeed classes its optimizer state holds, so a file naming anything else
+    (a code payload) raises ``UnpicklingError`` before DeepSpeed opens it."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+        for f in sorted(state.rglob("*.pt")):
+            torch.load(f, map_location="cpu", weights_only=True)
+
+
 def load_training_state(accelerator: Accelerator, output_dir: str | Path) -> dict | None:
     """Restore the newest loadable state; returns its counters (None: no state, a fresh start). Raises when states
     exist but none loads, rather than silently starting over."""
@@ -77,6 +92,8 @@ def load_training_state(accelerator: Accelerator, output_dir: str | Path) -> dic
     errors = []
     for state in complete:
         try:
+            if accelerator.distributed_type == DistributedType.DEEPSPEED:
+                _check_deepspeed_files(state)
             accelerator.load_state(str(state))
         except pickle.UnpicklingError:
             raise

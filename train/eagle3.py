@@ -14,7 +14,6 @@ Sharding, schedule, feature source and metrics log are shared with the other rec
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from train.loop import (  # noqa: E402
     epoch_batch,
     eval_batches,
     feature_source,
+    full_state,
     load_target_and_data,
     make_accelerator,
     record,
@@ -204,18 +204,17 @@ def main(argv: list[str]) -> None:
         batch = to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device)
         aux, target_logits = target_signals(target, batch)
         allowed, positions, sample_ids = attention_masks(batch)
-        sync = (micro + 1) % tc.grad_accum == 0
-        with contextlib.nullcontext() if sync else accelerator.no_sync(drafter), accelerator.autocast():
+        with accelerator.accumulate(drafter), accelerator.autocast():  # no all-reduce before the boundary
             logits = drafter(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, k)
             res = eagle3_ttt_loss(
                 logits, target_logits, batch["loss_mask"], model.t2d, sample_ids, cfg.drafter.step_weight
             )
-            accelerator.backward(res.loss / tc.grad_accum)
+            accelerator.backward(res.loss)  # divided by train.grad_accum there
         progress.add(
             res.loss, res.step_correct, res.step_count, int(batch["attention_mask"].sum()), None, res.step_loss
         )
         micro += 1
-        if not sync:
+        if not accelerator.sync_gradients:
             continue
         progress.optimizer_step(drafter, optimizer)
         do_log, do_eval = progress.due(eval_set is not None)
@@ -230,10 +229,13 @@ def main(argv: list[str]) -> None:
 
     # ---- save: resumable state, own-format checkpoint, engine exports
     save_training_state(accelerator, out, {"step": step}, tc.keep_states)
+    gathered = full_state(accelerator, drafter)  # ZeRO-3 / FSDP: the whole drafter, on the main process
     accelerator.end_training()
     if not accelerator.is_main_process:
         return
-    model.save_pretrained(out)
+    model.save_pretrained(out, gathered)
+    if gathered is not None:  # the sharded module in hand is not the drafter: serve the one file just written
+        model = Eagle3Drafter.from_pretrained(out, target, tokenizer)
     if tc.export:
         save_sglang(model, out / "export-sglang")
         save_speculators(model, out / "export-speculators")

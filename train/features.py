@@ -15,6 +15,7 @@ features, so a stale cache is rebuilt instead of silently reused.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import shutil
@@ -141,6 +142,9 @@ def write_feature_cache(
         raise SystemExit(
             f"not enough disk for the feature cache: need {need / 2**30:.2f} GiB, {free / 2**30:.1f} GiB free in {out}"
         )
+    if accelerator.is_main_process:  # from here until the new index is written, no run takes this cache as valid
+        (out / INDEX).unlink(missing_ok=True)
+    accelerator.wait_for_everyone()
     for stale in out.glob(f"shard-r{accelerator.process_index}-*.safetensors"):
         stale.unlink()
     torch_dtype = FEATURE_DTYPES[dtype]
@@ -159,10 +163,22 @@ def write_feature_cache(
         tensors = {name: torch.cat(parts) for name, parts in shard.items() if name != "sample_index"}
         tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
         tensors["sample_index"] = torch.tensor(shard["sample_index"], dtype=torch.long)
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()},
-            str(out / f"shard-r{accelerator.process_index}-{shard_id:05d}.safetensors"),
-        )
+        path = out / f"shard-r{accelerator.process_index}-{shard_id:05d}.safetensors"
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            # the disk filled after the check (another writer, a quota): the half shard goes, and with no index.json
+            # written the partial cache is never read; the next run writes it again
+            path.unlink(missing_ok=True)
+            written = sum(p.stat().st_size for p in out.glob("shard-r*-*.safetensors"))
+            raise SystemExit(
+                f"the disk filled while writing the feature cache in {out}: shard {shard_id} of rank "
+                f"{accelerator.process_index} failed ({e.strerror}) with {written / 2**30:.2f} GiB of the projected "
+                f"{need / 2**30:.2f} GiB written. Free space (or set train.features_dir elsewhere) and run again; "
+                "the incomplete cache is not used"
+            ) from e
         shard, shard_id, shard_len = {}, shard_id + 1, 0
 
     bar = tqdm(total=len(rows), desc="offline features", disable=not accelerator.is_main_process)

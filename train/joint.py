@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from models.checkpoint import TARGET_DIR
 from models.loader import load_target
@@ -41,6 +42,12 @@ def trained_modules(
     distributed wrapper, the drafter at ``drafter_lr_multiplier`` times the target's rate."""
     if wrap is None:
         return drafter, adamw(drafter, tc.lr, tc.weight_decay), None, {}
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        # the warm-up drops the target's gradients between backward and the update, which DeepSpeed fuses
+        raise SystemExit(
+            f"joint training (target.mode=joint) runs under DDP only, not {accelerator.distributed_type}: launch with "
+            "recipes/accelerate/ddp_8gpu.yaml (or cpu_2proc.yaml); DeepSpeed and FSDP train frozen-target drafters"
+        )
     original = original_of(target)
     before = quality(accelerator, target, original, eval_set, tc, pad_id) if eval_set is not None else {}
     model = wrap(target, drafter)

@@ -8,8 +8,10 @@ world × batch_size; rank r takes its slice of each, so resuming at micro-batch 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 from tqdm.auto import tqdm
 
 from models.config import save_config, to_dict
@@ -33,6 +35,8 @@ from train.features import (
     write_feature_cache,
 )
 from train.optim import mixed_precision, set_lr, warmup_cosine
+
+TRACKERS = ("tensorboard", "wandb")
 
 
 @dataclass
@@ -80,7 +84,8 @@ class TrainConfig:
     """Resumable states kept on disk: the latest and keep_states - 1 earlier ones (``state.{step}``), so a state
     damaged after its save still leaves one to resume from."""
     log_with: str | None = None
-    """Accelerate tracker ("tensorboard", "wandb", ...); None: stdout + <output_dir>/train_log.jsonl only."""
+    """Also log to a tracker: "tensorboard" (<output_dir>/<method>/) or "wandb" (<output_dir>/wandb/; offline with
+    WANDB_MODE=offline, then `wandb sync`). None: stdout + <output_dir>/train_log.jsonl only (always written)."""
     export: bool = True
     """Also write the serving engines' formats next to the checkpoint."""
 
@@ -99,18 +104,56 @@ class TrainConfig:
             raise ValueError("keep_states must be >= 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("max_steps must be >= 1 or None")
+        if self.log_with is not None:
+            if self.log_with not in TRACKERS:
+                raise ValueError(f"log_with must be one of {list(TRACKERS)} or null, got {self.log_with!r}")
+            if importlib.util.find_spec(self.log_with) is None:  # accelerate would drop it with a warning
+                raise ValueError(
+                    f"log_with={self.log_with!r}: the {self.log_with} package is not installed "
+                    f"(pip install 'drafters[{self.log_with}]')"
+                )
+
+
+def _engine_requested() -> str | None:
+    """ "deepspeed" / "fsdp" when ``accelerate launch`` was given such a config (it says so in the environment)."""
+    for name in ("DEEPSPEED", "FSDP"):
+        if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true":
+            return name.lower()
+    return None
 
 
 def make_accelerator(tc: TrainConfig, find_unused: bool = False) -> tuple[Accelerator, Callable[[str], None]]:
     """The run's Accelerator and a ``log`` that prints on the main process only. ``find_unused``: some trainable
-    parameters get no gradient in some steps (Medusa-2's heads warm-up), which DDP must be told."""
+    parameters get no gradient in some steps (Medusa-2's heads warm-up), which DDP must be told.
+
+    Gradient accumulation is accelerate's (``accumulate``): it skips DDP's all-reduce between boundaries and tells
+    DeepSpeed where they are, which runs the update inside ``backward``.
+
+    CPU ranks under DeepSpeed / FSDP (DESIGN.md §7): accelerate's ``cpu=True`` turns both engines off, and without
+    it accelerate finds no device and reports one process. So without CUDA an engine run asks for the gloo backend
+    explicitly, which gives the real world size; FSDP, which accelerate enables for accelerator devices only, is
+    then switched on here for the CPU ranks (``_fsdp_on_cpu``)."""
+    engine, no_cuda = _engine_requested(), not torch.cuda.is_available()
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if find_unused else []
+    if engine and no_cuda:
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
     accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(),
+        cpu=no_cuda and engine is None,
         mixed_precision=mixed_precision(tc.mixed_precision),
+        gradient_accumulation_steps=tc.grad_accum,
         log_with=tc.log_with,
         project_dir=tc.output_dir,
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)] if find_unused else None,
+        kwargs_handlers=handlers or None,
     )
+    if engine == "fsdp" and accelerator.distributed_type == DistributedType.NO and accelerator.num_processes > 1:
+        _fsdp_on_cpu(accelerator)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # accelerate registers its DeepSpeed config with transformers, and under ZeRO-3 from_pretrained would then
+        # partition the frozen target as it loads; only the trained drafter goes to the engine
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        accelerator.state.deepspeed_plugin.dschf = None
+        unset_hf_deepspeed_config()
 
     def log(msg: str) -> None:
         if accelerator.is_main_process:
@@ -121,6 +164,36 @@ def make_accelerator(tc: TrainConfig, find_unused: bool = False) -> tuple[Accele
         f"device {accelerator.device}, threads/rank {torch.get_num_threads()}"
     )
     return accelerator, log
+
+
+def _fsdp_on_cpu(accelerator: Accelerator) -> None:
+    """FSDP for CPU ranks: accelerate has the process group (gloo, real world size) and the launcher's FSDP settings
+    in the environment, but enables FSDP only for GPU-like device types; the plugin it would build is set here."""
+    from accelerate.state import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def sharded(accelerator: Accelerator) -> bool:
+    """True when the engine splits the trained weights across ranks (ZeRO-3, FSDP): the module in hand is then not
+    the whole drafter, and saving it needs ``full_state`` first."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return accelerator.state.deepspeed_plugin.zero_stage == 3
+    return False
+
+
+def full_state(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """Collective (every rank calls it): the whole state dict of a sharded ``model`` on the main process (None on the
+    others, and None when nothing is sharded: the module in hand is then complete)."""
+    if not sharded(accelerator):
+        return None
+    state = accelerator.get_state_dict(model)
+    return {k: v.detach().cpu().clone() for k, v in state.items()} if accelerator.is_main_process else None
 
 
 @functools.lru_cache(maxsize=2)
@@ -198,7 +271,24 @@ def record(accelerator: Accelerator, tc: TrainConfig, metrics: dict, log) -> Non
     with open(Path(tc.output_dir) / "train_log.jsonl", "a") as f:
         f.write(json.dumps(metrics) + "\n")
     if tc.log_with and "step" in metrics:
-        accelerator.log({n: v for n, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["step"])
+        accelerator.log(_scalars(metrics), step=metrics["step"])
+
+
+def _scalars(tree: dict, prefix: str = "") -> dict:
+    """A tracker's view of a metrics line or a config: nested dicts and lists flattened to "a/b" / "acc/0" keys;
+    numbers kept, other leaves as text (tensorboard's hyper-parameters take numbers, text and booleans only)."""
+    flat = {}
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict):
+            flat.update(_scalars(value, f"{key}/"))
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+            flat.update({f"{key}/{i}": v for i, v in enumerate(value)})
+        elif isinstance(value, (bool, int, float, str)):
+            flat[key] = value
+        else:
+            flat[key] = str(value)
+    return flat
 
 
 def load_target_and_data(cfg, accelerator: Accelerator, log, prepare: Callable[[object], None] | None = None):
@@ -250,20 +340,68 @@ def start_training(
     check (every rank's first-epoch samples, disjoint across ranks) and, for a joint target, its quality before
     training. Returns (model, optimizer, micro-batches per epoch, optimizer steps, warm-up steps, start step)."""
     tc, world = cfg.train, accelerator.num_processes
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        _fill_deepspeed_config(accelerator, tc)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model, optimizer = accelerator.prepare(model, optimizer)
     per_epoch, total_steps, warmup = schedule(tc, num_samples, world)
     step = (load_training_state(accelerator, tc.output_dir) or {"step": 0})["step"]
+    set_lr(optimizer, warmup_cosine(step, total_steps, warmup, tc.lr, tc.min_lr_ratio))
     log(
         f"train: {total_steps} optimizer steps ({per_epoch} micro-batches/epoch/rank, batch {tc.batch_size} x "
         f"{tc.grad_accum} accum x {world} ranks), warm-up {warmup}{detail}"
         + (f"; resumed at step {step}" if step else "")
     )
     if accelerator.is_main_process and tc.log_with:
-        accelerator.init_trackers(name, config={k: str(v) for k, v in to_dict(cfg).items()})
-    record(accelerator, tc, {"sharding": check_sharding(accelerator, tc, num_samples, per_epoch)}, log)
+        accelerator.init_trackers(name, config=_scalars(to_dict(cfg)), init_kwargs={"wandb": {"dir": tc.output_dir}})
+    sharding = check_sharding(accelerator, tc, num_samples, per_epoch)
+    sharding.update(_optimizer_numel(accelerator, optimizer, trainable))
+    record(accelerator, tc, {"sharding": sharding}, log)
     if before:
         record(accelerator, tc, {"step": 0, **{f"before/{k.split('/')[1]}": v for k, v in before.items()}}, log)
     return model, optimizer, per_epoch, total_steps, warmup, step
+
+
+def _fill_deepspeed_config(accelerator: Accelerator, tc: TrainConfig) -> None:
+    """The recipe decides batch size, accumulation and clipping; a DeepSpeed JSON leaves them "auto" (the shipped
+    ones do) or must agree. Without a dataloader in ``prepare`` accelerate cannot fill "auto" batch sizes itself."""
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    wanted = {
+        "train_micro_batch_size_per_gpu": tc.batch_size,
+        "gradient_accumulation_steps": tc.grad_accum,
+        "train_batch_size": tc.batch_size * tc.grad_accum * accelerator.num_processes,
+        "gradient_clipping": tc.grad_clip,
+    }
+    for key, value in wanted.items():
+        if ds.get(key, "auto") == "auto":
+            ds[key] = value
+        elif float(ds[key]) != value:
+            raise SystemExit(
+                f"the DeepSpeed config sets {key}={ds[key]} but the recipe gives {value} (train.batch_size, "
+                'train.grad_accum, train.grad_clip and the world size): set it to "auto" or change the recipe'
+            )
+
+
+def _optimizer_numel(accelerator: Accelerator, optimizer: torch.optim.Optimizer, trainable: int) -> dict:
+    """Parameter elements the optimizer updates on this rank, summed over ranks, beside the trainable count: DDP
+    holds world × trainable, ZeRO / FSDP about trainable (partitions, plus padding), and a frozen target never
+    appears (it would add its whole size)."""
+    from torch.distributed.tensor import DTensor
+
+    inner = optimizer.optimizer  # under accelerate's wrapper
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # ZeRO's flat fp32 partitions: ZeRO-1/2 keep them in its torch optimizer's groups, ZeRO-3 hands them to it
+        # only during the step
+        if accelerator.state.deepspeed_plugin.zero_stage == 3:
+            params = inner.fp32_partitioned_groups_flat
+        else:
+            params = [p for group in inner.optimizer.param_groups for p in group["params"]]
+    else:
+        params = [p for group in inner.param_groups for p in group["params"]]
+    # FSDP's parameters are DTensors, whose numel() is the global size
+    mine = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    total = accelerator.reduce(torch.tensor([mine], device=accelerator.device), "sum")
+    return {"trainable_numel": trainable, "optimizer_numel_over_ranks": int(total.item())}
 
 
 class Progress:
@@ -311,19 +449,26 @@ class Progress:
         """Learning rate of this step (warm-up + cosine), gradient clipping, the update; a non-finite gradient stops
         the run before the update (FloatingPointError naming the step)."""
         tc = self.tc
-        set_lr(optimizer, warmup_cosine(self.step, self.total_steps, self.warmup, tc.lr, tc.min_lr_ratio))
+        # DeepSpeed clipped and updated inside backward (clipping from its config); this reads the norm it used
         self.grad_norm = float(self.accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip))
         if not math.isfinite(self.grad_norm):  # every rank sees the same all-reduced norm, so all stop together
+            when = (
+                "DeepSpeed applied this step's update inside backward, but nothing was saved after it"
+                if self.accelerator.distributed_type == DistributedType.DEEPSPEED
+                else "Stopped before the update"
+            )
             raise FloatingPointError(
-                f"step {self.step + 1}: the gradient norm is {self.grad_norm} (a NaN / inf loss). Stopped before the "
-                f"update: the saved states under {tc.output_dir} are the last good ones (resume from them with a "
-                "lower learning rate, or look at this step's batch)"
+                f"step {self.step + 1}: the gradient norm is {self.grad_norm} (a NaN / inf loss). {when}: the saved "
+                f"states under {tc.output_dir} are the last good ones (resume from them with a lower learning rate, "
+                "or look at this step's batch)"
             )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.lr = optimizer.param_groups[0]["lr"]
         self.step += 1
         self.bar.update(1)
+        # the next step's rate is set now: under DeepSpeed its update runs inside the next boundary's backward
+        set_lr(optimizer, warmup_cosine(self.step, self.total_steps, self.warmup, tc.lr, tc.min_lr_ratio))
 
     def due(self, has_eval: bool) -> tuple[bool, bool]:
         """(log now, evaluate now) after the step just taken."""

@@ -22,7 +22,6 @@ The checkpoint carries the target's changes (a LoRA adapter or the full weights,
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import time
@@ -51,6 +50,7 @@ from train.loop import (  # noqa: E402
     epoch_batch,
     eval_batches,
     feature_source,
+    full_state,
     load_target_and_data,
     make_accelerator,
     record,
@@ -171,9 +171,10 @@ def evaluate(accelerator, target, model: MedusaDrafter, eval_set, cfg: MedusaRec
     count = torch.zeros(K, device=accelerator.device)
     for batch in eval_batches(accelerator, cfg.train, eval_set, pad_id):
         hidden = final_hidden(target, batch)
-        for k in range(K):
-            positions, labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], k)
-            hits[k] += rank_hits(model.head_logits(k, hidden[positions]), labels[positions], R)
+        targets = [medusa_head_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)]
+        logits = model([hidden[positions] for positions, _ in targets])  # forward: FSDP gathers its shards there
+        for k, (positions, labels) in enumerate(targets):
+            hits[k] += rank_hits(logits[k], labels[positions], R)
             count[k] += positions.sum()
     hits, count = accelerator.reduce(hits, "sum"), accelerator.reduce(count, "sum")
     model.train()
@@ -243,10 +244,9 @@ def main(argv: list[str]) -> None:
     while progress.step < total_steps:
         ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size)
         batch = to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device)
-        sync = (micro + 1) % tc.grad_accum == 0
         targets = [medusa_head_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)]
         train_target = joint and progress.step >= jc.heads_warmup_steps
-        with contextlib.nullcontext() if sync else accelerator.no_sync(model), accelerator.autocast():
+        with accelerator.accumulate(model), accelerator.autocast():  # no all-reduce before the boundary
             lm_loss = torch.zeros((), device=accelerator.device)
             if joint:
                 lm_pos, lm_labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)
@@ -258,12 +258,12 @@ def main(argv: list[str]) -> None:
                 head_logits = model([hidden[p] for p, _ in targets])
             res = position_losses(head_logits, targets, [hc.head_weight**k for k in range(K)])
             loss = lm_loss + (jc.lambda0_at(progress.step) if train_target else 1.0) * res["loss"]
-            accelerator.backward(loss / tc.grad_accum)
+            accelerator.backward(loss)  # divided by train.grad_accum there
         progress.add(
             loss, res["correct"], res["count"], int(batch["attention_mask"].sum()), lm_loss, res["position_loss"]
         )
         micro += 1
-        if not sync:
+        if not accelerator.sync_gradients:
             continue
         if joint and not train_target:
             for p in target.parameters():  # a shared head is the target's: it waits for the joint phase too
@@ -287,6 +287,7 @@ def main(argv: list[str]) -> None:
 
     # ---- save: resumable state, the target's changes (Medusa-2), checkpoint with its static tree, engine exports
     save_training_state(accelerator, out, {"step": step}, tc.keep_states)
+    gathered = full_state(accelerator, model)  # ZeRO-3 / FSDP: the whole set of heads, on the main process
     accelerator.end_training()
     if not accelerator.is_main_process:
         return
@@ -295,7 +296,9 @@ def main(argv: list[str]) -> None:
         log(f"static tree: {len(heads.config.tree_paths)} nodes, expected τ {last_eval['eval/tree_expected_tau']:.2f}")
     if joint:
         save_target_changes(target, heads, out)
-    heads.save_pretrained(out)
+    heads.save_pretrained(out, gathered)
+    if gathered is not None:  # the sharded module in hand is not the heads: serve the one file just written
+        heads = MedusaDrafter.from_pretrained(out, target, tokenizer)
     if tc.export:
         save_medusa_vllm(heads, out / "export-vllm")
         save_medusa_original(heads, out / "export-medusa")

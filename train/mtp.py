@@ -22,7 +22,6 @@ the modules read, and a joint target changes every step).
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from train.loop import (  # noqa: E402
     TrainConfig,
     epoch_batch,
     eval_batches,
+    full_state,
     load_target_and_data,
     make_accelerator,
     record,
@@ -251,10 +251,9 @@ def main(argv: list[str]) -> None:
     while progress.step < total_steps:
         ids = epoch_batch(len(train_set), micro, per_epoch, tc.seed, rank, world, tc.batch_size)
         batch = to_device(collate([train_set[i] for i in ids], pad_id), accelerator.device)
-        sync = (micro + 1) % tc.grad_accum == 0
         targets = depth_targets(batch, D)
         train_target = joint and progress.step >= jc.modules_warmup_steps
-        with contextlib.nullcontext() if sync else accelerator.no_sync(model), accelerator.autocast():
+        with accelerator.accumulate(model), accelerator.autocast():  # no all-reduce before the boundary
             lm_loss = torch.zeros((), device=accelerator.device)
             if joint:
                 lm_pos, lm_labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)
@@ -267,12 +266,12 @@ def main(argv: list[str]) -> None:
                 depth_logits = run_modules(model, pre_norm, batch, [p for p, _ in targets])
             res = position_losses(depth_logits, targets, mc.weights_at(progress.step))
             loss = lm_loss + res["loss"]
-            accelerator.backward(loss / tc.grad_accum)
+            accelerator.backward(loss)  # divided by train.grad_accum there
         progress.add(
             loss, res["correct"], res["count"], int(batch["attention_mask"].sum()), lm_loss, res["position_loss"]
         )
         micro += 1
-        if not sync:
+        if not accelerator.sync_gradients:
             continue
         if joint and not train_target:
             for p in target.parameters():  # the shared embedding / head are the target's: they wait for the joint phase
@@ -295,12 +294,15 @@ def main(argv: list[str]) -> None:
 
     # ---- save: resumable state, the target's changes (joint), checkpoint, engine exports
     save_training_state(accelerator, out, {"step": step}, tc.keep_states)
+    gathered = full_state(accelerator, model)  # ZeRO-3 / FSDP: all modules, on the main process
     accelerator.end_training()
     if not accelerator.is_main_process:
         return
     if joint:
         save_target_changes(target, drafter, out)
-    drafter.save_pretrained(out)
+    drafter.save_pretrained(out, gathered)
+    if gathered is not None:  # the sharded module in hand is not the drafter: serve the one file just written
+        drafter = MTPDrafter.from_pretrained(out, target, tokenizer)
     if tc.export:
         save_mtp_deepseek(drafter, out / "export-deepseek")
         if D == 1:

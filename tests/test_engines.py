@@ -22,7 +22,8 @@ from tests.test_mtp_train import mtp_args
 from train.checkpoint import _check_deepspeed_files
 from train.loop import TrainConfig, _fill_deepspeed_config
 
-STEPS = ("train.max_steps=3", "train.log_every=1", "report.enabled=false", "train.export=false")
+# two micro-batches per step, so accumulation runs under every engine (DeepSpeed's own included)
+STEPS = ("train.max_steps=3", "train.log_every=1", "train.grad_accum=2", "report.enabled=false", "train.export=false")
 SCRIPTS = {"eagle3.py": recipe_args, "medusa.py": medusa_args, "mtp.py": mtp_args}
 DISTRIBUTED_TYPE = {"ddp": "MULTI_CPU", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED", "fsdp": "FSDP"}
 
@@ -45,14 +46,14 @@ def drafter_class(script: str):
 
 @pytest.fixture(scope="module")
 def reference_runs(tiny_recipe, tmp_path_factory):
-    """Per script, run on demand and kept: one process at batch 4, and DDP on two ranks at batch 2 per rank (the
-    same global batch, so the same samples every step)."""
+    """Per script, run on demand and kept: one process at batch 2, and DDP on two ranks at batch 1 per rank (the
+    same global batch, 2 × 2 accumulated, so the same samples every step)."""
     runs: dict[tuple[str, str], Path] = {}
 
     def get(script: str, launcher: str) -> Path:
         if (script, launcher) not in runs:
             out = tmp_path_factory.mktemp(f"{script[:-3]}-{launcher}")
-            batch = "train.batch_size=4" if launcher == "python" else "train.batch_size=2"
+            batch = "train.batch_size=2" if launcher == "python" else "train.batch_size=1"
             run_to_end(script, SCRIPTS[script](tiny_recipe, out, *STEPS, batch), launcher)
             runs[script, launcher] = out
         return runs[script, launcher]
@@ -67,7 +68,7 @@ def test_every_engine_trains_like_one_process(tiny_recipe, tmp_path, reference_r
     one = reference_runs(script, "python")
     out = reference_runs(script, "ddp") if engine == "ddp" else tmp_path / engine
     if engine != "ddp":
-        run_to_end(script, SCRIPTS[script](tiny_recipe, out, *STEPS, "train.batch_size=2"), engine)
+        run_to_end(script, SCRIPTS[script](tiny_recipe, out, *STEPS, "train.batch_size=1"), engine)
 
     # the world this run really got, and the samples each rank saw
     sharding = next(r["sharding"] for r in log_of(out) if "sharding" in r)

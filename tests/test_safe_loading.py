@@ -58,7 +58,9 @@ def test_missing_or_truncated_drafter_weights_name_the_file(tiny_target, tmp_pat
     weights = tmp_path / "model.safetensors"
     if damage == "missing":
         weights.unlink()
-        with pytest.raises(FileNotFoundError, match=r"model.safetensors is missing: the checkpoint folder has a config"):
+        with pytest.raises(
+            FileNotFoundError, match=r"model.safetensors is missing: the checkpoint folder has a config"
+        ):
             load_drafter(tmp_path, tiny_target)
     else:
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short

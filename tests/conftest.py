@@ -105,7 +105,8 @@ ENGINE_CONFIGS = {
 def run_entry(script: str, args: list[str], launcher: str = "python", **popen) -> subprocess.Popen:
     """Start ``train/<script>`` in a fresh process (one intra-op thread per rank): ``launcher`` "python" (one
     process), "torchrun" (two ranks) or an engine of `ENGINE_CONFIGS` (two CPU ranks through ``accelerate launch``
-    with that config, in fp32). The caller waits on it (``communicate``)."""
+    with that config as shipped: only the process count is overridden; the recipe's train.mixed_precision decides
+    the precision). The caller waits on it (``communicate``)."""
     bin_dir, entry = Path(sys.executable).parent, str(ROOT / "train" / script)
     if launcher == "python":
         cmd = [sys.executable, entry]
@@ -113,8 +114,7 @@ def run_entry(script: str, args: list[str], launcher: str = "python", **popen) -
         cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", "2", entry]
     else:
         config = str(ROOT / "recipes" / "accelerate" / ENGINE_CONFIGS[launcher])
-        cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", config, "--num_processes", "2"]
-        cmd += ["--mixed_precision", "no", entry]
+        cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", config, "--num_processes", "2", entry]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         [*cmd, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen

@@ -32,6 +32,7 @@ from eval.stdlib_corpus import heldout_prompts
 from infer.generate import DecodeState, generate_speculative, prefill, verify_tree
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
+from infer.timing import timed
 from infer.tree import chain
 from models.target import TargetConfig, TargetModel, load_tokenizer
 
@@ -94,12 +95,6 @@ def size_chain(
     return k, account
 
 
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 @torch.inference_mode()
 def verify_costs(target: TargetModel, context: list[int], sizes: tuple[int, ...], reps: int, aux: bool) -> dict:
     """Median seconds of ``verify_tree`` over a chain of n nodes after ``context``; the cache is cut back after
@@ -119,7 +114,7 @@ def verify_costs(target: TargetModel, context: list[int], sizes: tuple[int, ...]
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(reps):
         for n in sizes:
-            times[n].append(_timed(lambda n=n: run(n)))
+            times[n].append(timed(lambda n=n: run(n), target.device))
     if any(layer.keys.shape[2] != S for layer in state.cache.layers):
         raise RuntimeError("the cache grew during timing: later sizes saw a longer context")
     return {n: statistics.median(t) for n, t in times.items()}
@@ -137,7 +132,7 @@ def vanilla_step_cost(model, context: list[int], reps: int) -> float:
         cache.crop(-1)  # transformers 5: a negative count removes that many tokens
 
     run()
-    return statistics.median(_timed(run) for _ in range(reps))
+    return statistics.median(timed(run, model.device) for _ in range(reps))
 
 
 @torch.inference_mode()
@@ -159,7 +154,7 @@ def eagle3_step_costs(target: TargetModel, drafter_dir: str, context_len: int, r
     out = {}
     for name, step in (("module", drafter.step), ("fused", fused.step)):
         step(*args)
-        out[name] = statistics.median(_timed(lambda step=step: step(*args)) for _ in range(reps))
+        out[name] = statistics.median(timed(lambda step=step: step(*args), target.device) for _ in range(reps))
     return out
 
 

@@ -18,6 +18,7 @@ flatters every drafter) is visible. Rows are given for all prompts and for each 
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import time
@@ -27,12 +28,14 @@ from pathlib import Path
 
 import torch
 
-from infer.certificate import TIE_GAP, compare_greedy
+from infer.certificate import Certifier
 from infer.generate import GenerationStats, SpecConfig, generate_speculative, generate_vanilla
 from infer.kernels.cpu_linear import install as install_cpu_linear
+from infer.kernels.cpu_linear import uninstall as uninstall_cpu_linear
 from infer.proposer import Proposer
 from infer.proposers import PromptLookupProposer
 from infer.sampling import SamplingParams
+from infer.timing import clock
 from models.target import TargetModel
 
 
@@ -46,11 +49,22 @@ class Candidate:
     """Builds a fresh proposer (one per generate call)."""
     spec: SpecConfig | None = None
 
+    @property
+    def key(self) -> str:
+        return f"{self.proposer} / {self.setting}"
+
+    @property
+    def lossy(self) -> bool:
+        """Typical acceptance (Medusa) changes the output distribution; such rows carry no identity evidence."""
+        return self.spec is not None and self.spec.accept == "typical"
+
 
 @dataclass
 class MeasuredPrompt:
     ids: list[int]
     category: str = "all"
+    name: str = ""
+    """Where it came from (a Spec-Bench question_id and turn, a HumanEval task id), named in divergences."""
 
 
 def stop_ids(tokenizer, model) -> tuple[int, ...]:
@@ -74,9 +88,10 @@ def hf_generate(model, prompt: list[int], params: SamplingParams, eos_ids: tuple
         kw["do_sample"] = False
     else:
         kw.update(do_sample=True, temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
-    t = time.perf_counter()
-    out = model.generate(torch.tensor([prompt], device=next(model.parameters()).device), **kw, **assist)
-    seconds = time.perf_counter() - t
+    device = next(model.parameters()).device
+    t = clock(device)
+    out = model.generate(torch.tensor([prompt], device=device), **kw, **assist)
+    seconds = clock(device) - t
     new = out[0, len(prompt) :].tolist()
     stop = next((i for i, tok in enumerate(new) if tok in eos_ids), None)
     return (new if stop is None else new[: stop + 1]), seconds
@@ -116,9 +131,78 @@ class _Tally:
         return out
 
 
+def fp32_copy(target: TargetModel, log: Callable[[str], None] = print) -> TargetModel:
+    """The same target in fp32 (for the certificate pass), with its own kernel routing (`prepare_target`)."""
+    replica = copy.deepcopy(target)
+    uninstall_cpu_linear(replica.model)  # routes were chosen (or skipped) for the served dtype
+    replica = replica.to(torch.float32)
+    prepare_target(replica, log)
+    return replica
+
+
+def identity(
+    certifier: Certifier, prompts: list[list[int]], reference: list[list[int]], got: list[list[int]], where: dict
+) -> tuple[int, list[dict]]:
+    """How many rows of ``got`` equal vanilla's ``reference``, and each divergence with its certificate
+    (`infer.certificate`), labelled with ``where`` (batch, category) and the row."""
+    same, divergences = 0, []
+    for j, (prompt, ref, out) in enumerate(zip(prompts, reference, got)):
+        if out == ref:
+            same += 1
+            continue
+        divergences.append({**where, "row": j, **certifier.compare(prompt, ref, out).as_dict()})
+    return same, divergences
+
+
 def estimate_minutes(step_s: float, prompts: int, calls_per_prompt: int, max_new_tokens: int) -> float:
     """Upper bound of a report's length: every call runs to max_new_tokens at the vanilla step time."""
     return step_s * prompts * calls_per_prompt * max_new_tokens / 60
+
+
+def batches_of(prompts: list[MeasuredPrompt], bs: int) -> list[list[MeasuredPrompt]]:
+    """Batches of ``bs`` prompts that never mix categories, so each category's rows come from its own prompts."""
+    cats = sorted({p.category for p in prompts})
+    return [
+        [p for p in prompts if p.category == cat][i : i + bs]
+        for cat in cats
+        for i in range(0, sum(p.category == cat for p in prompts), bs)
+    ]
+
+
+def _greedy_params(temp: float, max_new_tokens: int, batch_index: int) -> SamplingParams:
+    return SamplingParams(temperature=temp, max_new_tokens=max_new_tokens, seed=batch_index)
+
+
+def fp32_pass(
+    target: TargetModel,
+    candidates: list[Candidate],
+    prompts: list[MeasuredPrompt],
+    eos_ids: tuple[int, ...],
+    batch_sizes: tuple[int, ...],
+    max_new_tokens: int,
+    log: Callable[[str], None] = print,
+) -> dict[tuple[int, str], _Tally]:
+    """The certificate pass of a target served below fp32: vanilla and every lossless candidate at T = 0 once more
+    on an fp32 copy of the target, each compared with fp32 vanilla. Where rounding is ~1e-7 the outputs must be
+    token-identical; a divergence here is certified against an fp64 replay. Keyed by (batch size, candidate)."""
+    t0 = time.perf_counter()
+    target32 = fp32_copy(target, lambda m: None)
+    certifier = Certifier(target32.model)
+    out: dict[tuple[int, str], _Tally] = {}
+    for bs in batch_sizes:
+        for bi, batch in enumerate(batches_of(prompts, bs)):
+            cat, ids = batch[0].category, [p.ids for p in batch]
+            params = _greedy_params(0.0, max_new_tokens, bi)
+            ref = generate_vanilla(target32, ids, params, eos_ids)
+            for c in candidates:
+                if c.lossy:
+                    continue
+                res = generate_speculative(target32, c.make(), ids, params, eos_ids, spec=c.spec)
+                where = {"batch": bi, "category": cat, "prompts": [p.name for p in batch]}
+                same, div = identity(certifier, ids, ref.tokens, res.tokens, where)
+                out.setdefault((bs, c.key), _Tally()).add(cat, 0, 0.0, None, same, len(batch), div)
+    log(f"fp32 certificate pass: {time.perf_counter() - t0:.0f} s (report.fp32_certificate=false skips it)")
+    return out
 
 
 @torch.no_grad()
@@ -132,12 +216,14 @@ def measure(
     batch_sizes: tuple[int, ...] = (1,),
     include_prompt_lookup: bool = True,
     hf_assisted: dict[str, dict] | None = None,
+    fp32_certificate: bool = True,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
     """Run vanilla, HF generate (bs 1) and every candidate on the same prompts; return result rows.
 
     ``hf_assisted``: name → extra ``generate`` kwargs (e.g. ``prompt_lookup_num_tokens``, ``assistant_model``),
-    timed at bs 1 beside the rest (HF reports no τ, so those rows have ``tau`` None)."""
+    timed at bs 1 beside the rest (HF reports no τ, so those rows have ``tau`` None). ``fp32_certificate``: where
+    the target is served below fp32, re-run T = 0 in fp32 (`fp32_pass`) for ``greedy_identical_fp32``."""
     if not prompts:
         raise ValueError("no prompts to measure: the prompt set is empty")
     prepare_target(target, log)
@@ -145,32 +231,33 @@ def measure(
         candidates = [Candidate("prompt lookup", "chain 10", lambda: PromptLookupProposer(num_draft=10))] + candidates
     for c in candidates:  # one-off costs (allocator, first kernels) outside the timed region
         generate_speculative(target, c.make(), [prompts[0].ids], SamplingParams(max_new_tokens=4), eos_ids)
-    t = time.perf_counter()
+    t = clock(target.device)
     generate_vanilla(target, [prompts[0].ids], SamplingParams(max_new_tokens=8))
-    step_s = (time.perf_counter() - t) / 8
+    step_s = (clock(target.device) - t) / 8
     hf_assisted = hf_assisted or {}
+    served = str(target.dtype).removeprefix("torch.")
+    certify_fp32 = fp32_certificate and 0.0 in temperatures and target.dtype != torch.float32
     calls = len(temperatures) * sum(2 + len(candidates) + len(hf_assisted) for _ in batch_sizes)
+    calls += (1 + len(candidates)) * len(batch_sizes) if certify_fp32 else 0
     log(
-        f"measure: {len(prompts)} prompts x {calls} generate calls of up to {max_new_tokens} tokens; "
-        f"vanilla step {step_s * 1000:.0f} ms → at most ~{estimate_minutes(step_s, len(prompts), calls, max_new_tokens):.0f} min "
-        f"(answers that stop at EOS take less)"
+        f"measure: {len(prompts)} prompts x {calls} generate calls of up to {max_new_tokens} tokens, target in "
+        f"{served}; vanilla step {step_s * 1000:.0f} ms → at most "
+        f"~{estimate_minutes(step_s, len(prompts), calls, max_new_tokens):.0f} min (answers that stop at EOS take less)"
     )
+    fp32 = fp32_pass(target, candidates, prompts, eos_ids, batch_sizes, max_new_tokens, log) if certify_fp32 else {}
+    certifier = Certifier(target.model)
     rows: list[dict] = []
     cats = sorted({p.category for p in prompts})
     for temp in temperatures:
         for bs in batch_sizes:
-            # batches never mix categories, so each category's rows come from its own prompts only
-            batches = [
-                [p for p in prompts if p.category == cat][i : i + bs]
-                for cat in cats
-                for i in range(0, sum(p.category == cat for p in prompts), bs)
-            ]
+            batches = batches_of(prompts, bs)
             van, hf = _Tally(), _Tally()
-            acc = {c.proposer + c.setting: _Tally() for c in candidates}
+            acc = {c.key: _Tally() for c in candidates}
             assisted = {name: _Tally() for name in hf_assisted} if bs == 1 else {}
             for bi, batch in enumerate(batches):
                 cat, ids = batch[0].category, [p.ids for p in batch]
-                params = SamplingParams(temperature=temp, max_new_tokens=max_new_tokens, seed=bi)
+                where = {"batch": bi, "category": cat, "prompts": [p.name for p in batch]}
+                params = _greedy_params(temp, max_new_tokens, bi)
                 ref = generate_vanilla(target, ids, params, eos_ids)
                 van.add(cat, sum(map(len, ref.tokens)), ref.stats.total_s, ref.stats)
                 if bs == 1:
@@ -178,29 +265,13 @@ def measure(
                     hf.add(cat, len(toks), s, None)
                     for name, kw in hf_assisted.items():
                         toks, s = hf_generate(target.model, ids[0], params, eos_ids, **kw)
-                        same = int(toks == ref.tokens[0]) if params.greedy else 0
-                        assisted[name].add(cat, len(toks), s, None, same, int(params.greedy))
+                        same, div = identity(certifier, ids, ref.tokens, [toks], where) if params.greedy else (0, [])
+                        assisted[name].add(cat, len(toks), s, None, same, int(params.greedy), div)
                 for c in candidates:
                     res = generate_speculative(target, c.make(), ids, params, eos_ids, spec=c.spec)
-                    same, div = 0, []
-                    if params.greedy:
-                        for j, (x, y) in enumerate(zip(res.tokens, ref.tokens)):
-                            if x == y:
-                                same += 1
-                                continue
-                            cmp = compare_greedy(target.model, ids[j], y, x)
-                            div.append(
-                                {"batch": bi, "row": j, "position": cmp.first_divergence, "top2_gap": cmp.top2_gap}
-                            )
-                    acc[c.proposer + c.setting].add(
-                        cat,
-                        sum(map(len, res.tokens)),
-                        res.stats.total_s,
-                        res.stats,
-                        same,
-                        len(batch) if params.greedy else 0,
-                        div,
-                    )
+                    same, div = identity(certifier, ids, ref.tokens, res.tokens, where) if params.greedy else (0, [])
+                    compared = len(batch) if params.greedy else 0
+                    acc[c.key].add(cat, sum(map(len, res.tokens)), res.stats.total_s, res.stats, same, compared, div)
             for cat in ["all", *cats] if len(cats) > 1 else ["all"]:
                 v, h = van.merged(cat), hf.merged(cat)
                 vanilla_tps = v["tokens"] / v["s"]
@@ -213,6 +284,7 @@ def measure(
                     "category": cat,
                     "temperature": temp,
                     "batch_size": bs,
+                    "dtype": served,
                     "vanilla_new_tokens": v["tokens"],
                     "vanilla_tokens_per_s": base,
                     "our_vanilla_tokens_per_s": vanilla_tps,
@@ -221,7 +293,7 @@ def measure(
                     "prompts": n_prompts,
                     "max_new_tokens": max_new_tokens,
                 }
-                named = [(c.proposer, c.setting, acc[c.proposer + c.setting], c) for c in candidates]
+                named = [(c.proposer, c.setting, acc[c.key], c) for c in candidates]
                 named += [(name, "HF generate", tally, None) for name, tally in assisted.items()]
                 for proposer, setting, tally, c in named:
                     m = tally.merged(cat)
@@ -232,9 +304,8 @@ def measure(
                         "new_tokens": m["tokens"],
                         "tokens_per_s": m["tokens"] / m["s"],
                         "speedup": (m["tokens"] / m["s"]) / base,
-                        "greedy_identical": m["same"] / m["compared"] if m["compared"] else None,
-                        "divergences": m["div"],
-                        "lossy": bool(c and c.spec and c.spec.accept == "typical"),
+                        **_evidence(m, fp32.get((bs, c.key)) if c else None, cat, temp, served, c),
+                        "lossy": bool(c and c.lossy),
                         # HF's assisted generation reports no rounds: no τ, α or step costs for those rows
                         "tau": None,
                         "alpha": [],
@@ -261,6 +332,37 @@ def measure(
     return rows
 
 
+def _evidence(m: dict, fp32: _Tally | None, cat: str, temp: float, served: str, c: Candidate | None) -> dict:
+    """A row's lossless evidence: greedy identity in the served dtype, its divergences split into explained by that
+    dtype's rounding and unexplained (must be 0), and greedy identity in fp32 (the certificate pass, or the run
+    itself when served in fp32). None where nothing was compared (T > 0)."""
+    if temp != 0.0 or not m["compared"] or (c is not None and c.lossy):
+        return {
+            "greedy_identical": None,
+            "greedy_identical_fp32": None,
+            "explained_divergences": None,
+            "unexplained_divergences": None,
+            "divergences": [],
+            "fp32_divergences": [],
+        }
+    f = fp32.merged(cat) if fp32 is not None else None
+    if served == "float32":
+        identical_fp32, fp32_div = m["same"] / m["compared"], []
+    elif f is not None and f["compared"]:
+        identical_fp32, fp32_div = f["same"] / f["compared"], f["div"]
+    else:  # skipped (report.fp32_certificate=false), lossy, or an outside peer's row
+        identical_fp32, fp32_div = None, []
+    explained = sum(d["explained"] for d in m["div"])
+    return {
+        "greedy_identical": m["same"] / m["compared"],
+        "greedy_identical_fp32": identical_fp32,
+        "explained_divergences": explained,
+        "unexplained_divergences": len(m["div"]) - explained + sum(not d["explained"] for d in fp32_div),
+        "divergences": m["div"],
+        "fp32_divergences": fp32_div,
+    }
+
+
 def _log_row(log: Callable[[str], None], row: dict) -> None:
     tau = "–" if row["tau"] is None else f"{row['tau']:.2f}"
     gi = row["greedy_identical"]
@@ -271,10 +373,60 @@ def _log_row(log: Callable[[str], None], row: dict) -> None:
     )
 
 
+DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def evidence_words(r: dict) -> str:
+    """A row's lossless evidence in words: "bf16 0.31 (11 diverged: 11 within bf16 rounding, 0 unexplained);
+    fp32 1.00"."""
+    if r["lossy"]:
+        return "lossy (typical acceptance): no identity claim"
+    if r["greedy_identical"] is None:
+        return "–"
+    dt = DTYPE_SHORT.get(r["dtype"], r["dtype"])
+    words = f"{dt} {r['greedy_identical']:.2f}"
+    if r["divergences"]:
+        words += (
+            f" ({len(r['divergences'])} diverged: {r['explained_divergences']} within {dt} rounding, "
+            f"{len(r['divergences']) - r['explained_divergences']} unexplained)"
+        )
+    if r["dtype"] != "float32":
+        fp32 = "not run" if r["greedy_identical_fp32"] is None else f"{r['greedy_identical_fp32']:.2f}"
+        unexplained_fp32 = sum(not d["explained"] for d in r["fp32_divergences"])
+        words += f"; fp32 {fp32}" + (f" ({unexplained_fp32} unexplained)" if unexplained_fp32 else "")
+    return words
+
+
+def _divergence_lines(rows: list[dict]) -> list[str]:
+    """Every unexplained divergence by prompt, position, both tokens, the replayed gap and the band."""
+    out = []
+    for r in rows:
+        if r["category"] != "all" and any(x["category"] == "all" for x in rows):
+            continue  # the "all" rows hold every divergence once
+        for d in r["divergences"] + r["fp32_divergences"]:
+            if d["explained"]:
+                continue
+            prompt = d["prompts"][d["row"]] if d.get("prompts") else f"batch {d['batch']} row {d['row']}"
+            gap = "none (one output is a prefix of the other)" if d["gap"] is None else f"{d['gap']:.4g}"
+            band = "–" if d["band"] is None else f"{d['band']:.3g}"
+            out.append(
+                f"- {r['proposer']} ({r['setting']}), T {r['temperature']}, bs {r['batch_size']}, {d['served_dtype']}: "
+                f"prompt {prompt or d['batch']}, position {d['position']}, vanilla token {d['vanilla_token']} vs "
+                f"{d['candidate_token']}, gap {gap} in {d['replay_dtype']} (band {band})"
+            )
+    return out
+
+
 def write_report(
-    out_dir: str | Path, method: str, target_name: str, rows: list[dict], prompt_set: str = "", notes: str = ""
+    out_dir: str | Path,
+    method: str,
+    target_name: str,
+    rows: list[dict],
+    prompt_set: str = "",
+    notes: str = "",
+    checks: dict | None = None,
 ) -> None:
-    """``report.json`` (schema above) and a markdown table ``report.md`` in ``out_dir``."""
+    """``report.json`` (schema above; ``checks`` such as the vanilla check go in as they are) and ``report.md``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = {
@@ -282,29 +434,56 @@ def write_report(
         "target": target_name,
         "prompt_set": prompt_set,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": f"{platform.machine()} torch {torch.__version__} threads {torch.get_num_threads()}",
+        "machine": machine_description(),
+        **(checks or {}),
         "results": rows,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    dtypes = sorted({r["dtype"] for r in rows})
     lines = [
         f"# {method} report",
         "",
-        f"Target: `{target_name}`. Prompts: {prompt_set}. {notes}".strip(),
+        f"Target: `{target_name}`, served in {', '.join(dtypes)}. Prompts: {prompt_set}. Machine: "
+        f"{report['machine']}. {notes}".strip(),
         "",
         "| category | proposer | setting | T | bs | τ | speedup | predicted | tokens/s | vanilla tokens/s | α | "
         "greedy identical |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        gi = "–" if r["greedy_identical"] is None else f"{r['greedy_identical']:.2f}"
-        if r["divergences"]:
-            ties = sum(d["top2_gap"] is not None and d["top2_gap"] < TIE_GAP for d in r["divergences"])
-            gi += f" ({len(r['divergences'])} diverged, {ties} at a numerical tie)"
         tau = "–" if r["tau"] is None else f"{r['tau']:.2f}"
         pred = "–" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x"
         lines.append(
             f"| {r['category']} | {r['proposer']}{' (lossy)' if r['lossy'] else ''} | {r['setting']} | "
             f"{r['temperature']} | {r['batch_size']} | {tau} | {r['speedup']:.2f}x | {pred} | {r['tokens_per_s']:.1f} | "
-            f"{r['vanilla_tokens_per_s']:.1f} | {' '.join(f'{a:.2f}' for a in r['alpha'][:8])} | {gi} |"
+            f"{r['vanilla_tokens_per_s']:.1f} | {' '.join(f'{a:.2f}' for a in r['alpha'][:8])} | {evidence_words(r)} |"
         )
+    lines += [
+        "",
+        "**Greedy identity** (T = 0) compares every answer with vanilla's. Where one diverges, the common prefix is "
+        "replayed one precision up (fp32 for bf16, fp64 for fp32): a divergence is *within rounding* when the two "
+        "tokens' exact logit gap is inside the served dtype's rounding band there (twice the served dtype's own "
+        "error on that gap plus 2 ulps at that logit magnitude; `infer/certificate.py`), and *unexplained* "
+        "otherwise, which would be a bug. Below fp32, the same methods and prompts are also run in fp32, where they "
+        "must be identical.",
+    ]
+    unexplained = _divergence_lines(rows)
+    lines += ["", "Unexplained divergences:", "", *unexplained] if unexplained else []
+    for name, check in (checks or {}).items():
+        if isinstance(check, dict) and "summary" in check:
+            lines += ["", f"**{name.replace('_', ' ').capitalize()}**: {check['summary']}"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def machine_description() -> str:
+    """CPU model (or GPU name), torch version and threads: what a reader needs to place the numbers."""
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name(0)
+    else:
+        device = platform.processor() or platform.machine()
+        try:
+            names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
+            device = names[0] if names else device
+        except OSError:
+            pass
+    return f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads"

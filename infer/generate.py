@@ -16,7 +16,6 @@ at least one token, so vanilla decoding has τ = 1.00 exactly.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +25,7 @@ from infer.accept import AcceptResult, accept_typical
 from infer.kernels import compact_kv, verify_greedy, verify_rejection
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, target_probs, warp_logits
+from infer.timing import clock
 from infer.tree import DraftTree
 from models.target import TargetModel
 
@@ -217,7 +217,7 @@ def _next_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
 def _vanilla_single(target: TargetModel, prompt: list[int], params: SamplingParams, stop: set[int]) -> GenerationResult:
     """Batch 1: the leanest loop HF offers (no mask, implicit positions, the sampled tensor fed back)."""
     stats = GenerationStats(tree_nodes=1)
-    t0 = time.perf_counter()
+    t0 = clock(target.device)
     gen = _seeded_generator(params, target.device)
     model, cache = target.model, DynamicCache()
     if len(prompt) > 1:  # logits of the prompt are never read (HF generate skips them too)
@@ -225,22 +225,22 @@ def _vanilla_single(target: TargetModel, prompt: list[int], params: SamplingPara
             input_ids=torch.tensor([prompt[:-1]], device=target.device), cache=cache, use_cache=True, logits_to_keep=1
         )
     x = torch.tensor([[prompt[-1]]], device=target.device)
-    stats.prefill_s = time.perf_counter() - t0
+    stats.prefill_s = clock(target.device) - t0
     out: list[int] = []
     while True:
-        tv = time.perf_counter()
+        tv = clock(target.device)
         logits = model(input_ids=x, cache=cache, use_cache=True).logits[:, -1]
-        tb = time.perf_counter()
+        tb = clock(target.device)
         stats.verify_s += tb - tv
         nxt = _next_token(logits, params, gen)
         token = int(nxt)
         out.append(token)
-        stats.bookkeeping_s += time.perf_counter() - tb
+        stats.bookkeeping_s += clock(target.device) - tb
         if token in stop or len(out) >= params.max_new_tokens:
             break
         x = nxt.view(1, 1)
     stats.rounds = stats.row_forwards = stats.new_tokens = len(out)
-    stats.total_s = time.perf_counter() - t0
+    stats.total_s = clock(target.device) - t0
     return GenerationResult([out], stats)
 
 
@@ -257,12 +257,12 @@ def generate_vanilla(
     if len(prompts) == 1:
         return _vanilla_single(target, prompts[0], params, state.stop_ids)
     stats = GenerationStats(tree_nodes=1)
-    t0 = time.perf_counter()
+    t0 = clock(target.device)
     gen = _seeded_generator(params, target.device)
     prefill(target, state)
-    stats.prefill_s = time.perf_counter() - t0
+    stats.prefill_s = clock(target.device) - t0
     while state.active:
-        tv = time.perf_counter()
+        tv = clock(target.device)
         allowed = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)[:, None, :]
         logits = target.model(
             input_ids=state.roots[:, None],
@@ -271,8 +271,8 @@ def generate_vanilla(
             cache=state.cache,
             use_cache=True,
         ).logits[:, -1]
-        stats.verify_s += time.perf_counter() - tv
-        tb = time.perf_counter()
+        stats.verify_s += clock(target.device) - tv
+        tb = clock(target.device)
         nxt = _next_token(logits, params, gen)
         state.kv_valid = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)
         stats.rounds += 1
@@ -280,8 +280,8 @@ def generate_vanilla(
         finished = [state.emit(i, [t]) for i, t in enumerate(nxt.tolist())]
         stats.new_tokens += len(finished)
         state.drop_finished(finished)
-        stats.bookkeeping_s += time.perf_counter() - tb
-    stats.total_s = time.perf_counter() - t0
+        stats.bookkeeping_s += clock(target.device) - tb
+    stats.total_s = clock(target.device) - t0
     return GenerationResult(state.new_tokens, stats)
 
 
@@ -348,7 +348,7 @@ def generate_speculative(
     """
     spec = spec or SpecConfig()
     stats = GenerationStats()
-    t0 = time.perf_counter()
+    t0 = clock(target.device)
     state = DecodeState(prompts, params, eos_ids, target.device)
     gen = _seeded_generator(params, target.device)
     proposer.begin([list(c) for c in state.contexts])
@@ -361,18 +361,18 @@ def generate_speculative(
         idx = (width - lengths[:, None] + torch.arange(width, device=lengths.device)[None]).clamp(max=width - 1)
         feats = signal.of(out)
         proposer.observe(feats.gather(1, idx[..., None].expand(-1, -1, feats.shape[-1])), lengths)
-    stats.prefill_s = time.perf_counter() - t0
+    stats.prefill_s = clock(target.device) - t0
 
     while state.active:
-        td = time.perf_counter()
+        td = clock(target.device)
         tree = proposer.propose([state.contexts[r] for r in state.active], params, gen)
-        stats.draft_s += time.perf_counter() - td
+        stats.draft_s += clock(target.device) - td
 
-        tv = time.perf_counter()
+        tv = clock(target.device)
         out = verify_tree(target, state, tree, capture_aux=aux)
-        stats.verify_s += time.perf_counter() - tv
+        stats.verify_s += clock(target.device) - tv
 
-        tb = time.perf_counter()
+        tb = clock(target.device)
         B, n = tree.tokens.shape
         stats.tree_nodes = max(stats.tree_nodes, n)
         if spec.accept == "typical":
@@ -414,6 +414,6 @@ def generate_speculative(
         keep = state.drop_finished(finished)
         if keep is not None:
             proposer.drop_rows(keep)
-        stats.bookkeeping_s += time.perf_counter() - tb
-    stats.total_s = time.perf_counter() - t0
+        stats.bookkeeping_s += clock(target.device) - tb
+    stats.total_s = clock(target.device) - t0
     return GenerationResult(state.new_tokens, stats)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,8 @@ DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",  # whatever the checkpoint's config says (HF `dtype="auto"`)
     "fastest": "fastest",  # bf16 on CUDA and on CPUs where bf16 measures faster, else float32 (cpu_bf16_is_fast)
 }
+CPU_BF16_ENV = "DRAFTERS_CPU_BF16"
+"""Environment variable that overrides `cpu_bf16_is_fast`'s measurement ("fast" / "slow")."""
 DEVICES = ("cpu", "cuda", "auto")
 MODES = ("frozen", "joint")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -61,7 +64,16 @@ def cpu_bf16_is_fast(cpu_flags: str | None = None, timer=None) -> bool:
     CPUs without native bf16 instructions (no ``avx512_bf16`` / ``amx_bf16`` in /proc/cpuinfo) emulate it ~100x
     slower, so they are ruled out without timing. Otherwise a 512² matmul is timed in both dtypes (~10 ms) and bf16
     must be at least 1.25x faster. ``cpu_flags`` and ``timer(dtype) -> seconds`` replace the machine in tests.
+
+    ``$DRAFTERS_CPU_BF16`` = "fast" / "slow" replaces the measurement: the suite sets "fast" to run every automatic
+    bf16 path (target dtype, autocast, engines, report) on a CPU that would not take it, so a developer without fast
+    bf16 sees what a user with it sees (tiny models keep that cheap even where bf16 is ~100x slower).
     """
+    forced = os.environ.get(CPU_BF16_ENV, "").strip().lower()
+    if forced in ("fast", "slow"):
+        return forced == "fast"
+    if forced:
+        raise ValueError(f"${CPU_BF16_ENV} must be 'fast', 'slow' or unset (measure), got {forced!r}")
     if cpu_flags is None:
         try:
             cpu_flags = Path("/proc/cpuinfo").read_text()

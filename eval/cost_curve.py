@@ -22,9 +22,11 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from eval.measure import prepare_target
@@ -63,6 +65,90 @@ def best_chain_length(
     return max(rates, key=rates.get), rates
 
 
+PRIOR_WEIGHT = 100
+"""Pseudo-attempts the checkpoint's held-out acceptance is worth at each depth, at most. It is measured on more
+positions than any pilot (64 held-out samples of a few hundred tokens), but under teacher forcing on training-like
+data, not in served decoding on the report's prompts; so it anchors a small pilot and a pilot of a few hundred
+attempts per depth overrides it."""
+
+PILOT_PROMPTS, PILOT_TOKENS = 4, 96
+"""The pilot run that sizes a chain: 4 prompts x up to 96 tokens (a 2 x 64 pilot gave α 0.26 0.42 0.10 1.00 0.00
+on the shipped EAGLE-3, i.e. noise, and picked chain 1 on a flat verify curve)."""
+
+
+def shrunk_alpha(
+    accepted: list[int], attempted: list[int], prior: list[float] | None, prior_samples: int
+) -> list[float]:
+    """Per-depth acceptance α_k from a pilot's counts, shrunk toward a prior (beta-binomial posterior mean):
+    ``(accepted_k + w · prior_k) / (attempted_k + w)`` with ``w = min(prior_samples, PRIOR_WEIGHT)``. Depths past the
+    prior take its last value; without a prior (or ``prior_samples`` 0) it is the pilot's own rate."""
+    w = min(prior_samples, PRIOR_WEIGHT) if prior else 0
+    out = []
+    for k, (acc, att) in enumerate(zip(accepted, attempted)):
+        p = prior[min(k, len(prior) - 1)] if prior else 0.0
+        out.append((acc + w * p) / (att + w) if att + w else 0.0)
+    return out
+
+
+def heldout_acceptance(drafter_dir: str | Path) -> tuple[list[float] | None, int]:
+    """(per-depth held-out acceptance, samples it was measured on) recorded with a checkpoint: the ``drafters``
+    block's ``heldout_acceptance`` / ``heldout_samples`` where the training run wrote them at save, else the last
+    ``eval/acc`` of the folder's train_log.jsonl with ``train.eval_samples`` of its recipe.yaml. (None, 0) when the
+    folder has neither (a drafter trained elsewhere): the pilot then sizes alone."""
+    folder = Path(drafter_dir)
+    config = folder / "config.json"
+    block = json.loads(config.read_text()).get("drafters", {}) if config.exists() else {}
+    if block.get("heldout_acceptance"):
+        return [float(a) for a in block["heldout_acceptance"]], int(block.get("heldout_samples", 0))
+    log = folder / "train_log.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+    last = next((r["eval/acc"] for r in reversed(rows) if r.get("eval/acc")), None)
+    if last is None:
+        return None, 0
+    recipe = folder / "recipe.yaml"
+    samples = 64  # TrainConfig.eval_samples' default
+    if recipe.exists():
+        samples = int((yaml.safe_load(recipe.read_text()) or {}).get("train", {}).get("eval_samples", samples))
+    return [float(a) for a in last], samples
+
+
+@dataclass
+class ChainSizing:
+    """How a chain length was chosen on this machine (printed in the report beside the measured rows)."""
+
+    k: int
+    alpha: list[float]
+    """Per-depth acceptance used (pilot shrunk toward the checkpoint's held-out acceptance)."""
+    pilot_attempts: list[int]
+    prior: list[float] | None
+    prior_samples: int
+    draft_step_s: float
+    overhead_s: float
+    verify_s: dict[int, float]
+    rates: dict[int, float]
+    """Predicted tokens/s by chain length."""
+    vanilla_step_s: float
+    """t(1): one verified token, the vanilla step of the predicted speedup."""
+
+    def predicted_speedup(self, k: int) -> float | None:
+        return self.rates[k] * self.vanilla_step_s if k in self.rates else None
+
+    def account(self) -> str:
+        prior = (
+            f"held-out α {' '.join(f'{a:.2f}' for a in self.prior)} over {self.prior_samples} samples, weight "
+            f"{min(self.prior_samples, PRIOR_WEIGHT)}; "
+            if self.prior
+            else "no held-out acceptance in the checkpoint; "
+        )
+        return (
+            f"chain length {self.k} of 1..{max(self.rates)} ({prior}pilot attempts by depth "
+            f"{' '.join(map(str, self.pilot_attempts))}; α used {' '.join(f'{a:.2f}' for a in self.alpha)}; draft "
+            f"step {1e3 * self.draft_step_s:.1f} ms; verify ms "
+            f"{' '.join(f'{n}:{1e3 * t:.0f}' for n, t in self.verify_s.items())}; predicted speedup by k "
+            f"{' '.join(f'{i}:{self.predicted_speedup(i):.2f}' for i in self.rates)})"
+        )
+
+
 def size_chain(
     target: TargetModel,
     make: Callable[[int], Proposer],
@@ -70,29 +156,28 @@ def size_chain(
     max_k: int,
     eos_ids: tuple[int, ...],
     log: Callable[[str], None] = print,
-) -> tuple[int, str]:
-    """Pick a proposer's chain length on this machine: a pilot run at ``max_k`` (two prompts, 64 tokens) gives its
-    per-depth acceptance, draft-step and bookkeeping costs; `verify_costs` gives t_verify(n) here and now; the
-    length with the best predicted rate wins (`best_chain_length`). Returns (k, a one-line account)."""
+    prior: list[float] | None = None,
+    prior_samples: int = 0,
+) -> ChainSizing:
+    """Pick a proposer's chain length on this machine: a pilot run at ``max_k`` (`PILOT_PROMPTS` prompts,
+    `PILOT_TOKENS` tokens) gives per-depth acceptance counts, draft-step and bookkeeping costs; the counts are shrunk
+    toward the checkpoint's held-out acceptance ``prior`` (`shrunk_alpha`); `verify_costs` gives t_verify(n) here
+    and now; the length with the best predicted rate wins (`best_chain_length`)."""
     stats = [
-        generate_speculative(target, make(max_k), [p], SamplingParams(max_new_tokens=64), eos_ids).stats
-        for p in prompts[:2]
+        generate_speculative(target, make(max_k), [p], SamplingParams(max_new_tokens=PILOT_TOKENS), eos_ids).stats
+        for p in prompts[:PILOT_PROMPTS]
     ]
     rounds = max(1, sum(s.rounds for s in stats))
     att = [sum(s.attempted_at_depth[i] for s in stats if i < len(s.attempted_at_depth)) for i in range(max_k)]
     acc = [sum(s.accepted_at_depth[i] for s in stats if i < len(s.accepted_at_depth)) for i in range(max_k)]
-    alpha = [a / t if t else 0.0 for a, t in zip(acc, att)]
+    alpha = shrunk_alpha(acc, att, prior, prior_samples)
     draft_step = sum(s.draft_s for s in stats) / rounds / max_k
     overhead = sum(s.bookkeeping_s for s in stats) / rounds
     curve = verify_costs(target, prompts[0], tuple(range(1, max_k + 2)), reps=5, aux=make(1).signal is TargetSignal.AUX)
     k, rates = best_chain_length(alpha, draft_step, curve, overhead)
-    account = (
-        f"chain length {k} of 1..{max_k} (pilot α {' '.join(f'{a:.2f}' for a in alpha)}, draft step "
-        f"{1e3 * draft_step:.1f} ms, verify ms {' '.join(f'{n}:{1e3 * t:.0f}' for n, t in curve.items())}; predicted "
-        f"tokens/s by k {' '.join(f'{i}:{r:.1f}' for i, r in rates.items())})"
-    )
-    log(f"cost curve: {account}")
-    return k, account
+    sizing = ChainSizing(k, alpha, att, prior, prior_samples, draft_step, overhead, curve, rates, curve[1])
+    log(f"cost curve: {sizing.account()}")
+    return sizing
 
 
 @torch.inference_mode()
@@ -123,16 +208,61 @@ def verify_costs(target: TargetModel, context: list[int], sizes: tuple[int, ...]
 @torch.inference_mode()
 def vanilla_step_cost(model, context: list[int], reps: int) -> float:
     """Median seconds of one cached single-token forward without a mask (the batch-1 vanilla loop's step)."""
-    cache = DynamicCache()
-    model(input_ids=torch.tensor([context[:-1]]), cache=cache, use_cache=True)
-    x = torch.tensor([[context[-1]]])
+    cache, device = DynamicCache(), next(model.parameters()).device
+    model(input_ids=torch.tensor([context[:-1]], device=device), cache=cache, use_cache=True)
+    x = torch.tensor([[context[-1]]], device=device)
 
     def run() -> None:
         model(input_ids=x, cache=cache, use_cache=True)
         cache.crop(-1)  # transformers 5: a negative count removes that many tokens
 
     run()
-    return statistics.median(timed(run, model.device) for _ in range(reps))
+    return statistics.median(timed(run, device) for _ in range(reps))
+
+
+NOISE = 0.05
+"""Relative difference below which two timings on this machine are called equal (repeated medians moved ~2-4 %)."""
+
+
+@torch.inference_mode()
+def vanilla_check(target: TargetModel, context: list[int], row: dict, reps: int = 7) -> dict:
+    """Is the baseline at its best here? Compares the vanilla loop's measured step (``row``: a bs-1, T = 0 row of
+    `eval.measure.measure`) with the fastest one-token forward on this machine plus greedy sampling, and checks that
+    no verify shape (2-8 tokens) runs faster than that forward: if one did, speculation would gain from the kernel
+    shape alone. ``context``: the prompt the forwards are timed after."""
+    fastest = vanilla_step_cost(target.model, context, reps)
+    logits = torch.randn(1, target.vocab_size, device=target.device, dtype=target.dtype)
+    sampling = statistics.median(timed(lambda: logits.argmax(-1), target.device) for _ in range(reps))
+    curve = verify_costs(target, context, (1, 2, 3, 4, 6, 8), reps, aux=False)
+    loop = (row["vanilla_ms"]["forward"] + row["vanilla_ms"]["bookkeeping"]) / 1e3
+    best = fastest + sampling
+    faster = {n: t for n, t in curve.items() if n > 1 and t < (1 - NOISE) * fastest}
+    loop_ok = loop <= (1 + NOISE) * best
+    words = (
+        f"vanilla's step {1e3 * loop:.1f} ms (forward {row['vanilla_ms']['forward']:.1f} + sampling and bookkeeping "
+        f"{row['vanilla_ms']['bookkeeping']:.1f}) against the fastest one-token forward here {1e3 * fastest:.1f} ms + "
+        f"argmax {1e3 * sampling:.2f} ms: "
+        + ("within noise" if loop_ok else f"{loop / best - 1:.0%} slower (the loop is not at its best)")
+        + f"; verify ms by tokens {' '.join(f'{n}:{1e3 * t:.1f}' for n, t in curve.items())}: "
+        + (
+            "no verify shape is faster than one token"
+            if not faster
+            else "FASTER than one token at "
+            + ", ".join(f"{n} tokens" for n in faster)
+            + " (vanilla is not at its best)"
+        )
+        + f". Prefill took {row['vanilla_ms']['prefill_total'] / max(1e-9, row['vanilla_ms']['total']):.0%} of "
+        "vanilla's wall time (it counts in every method's tokens/s alike)."
+    )
+    return {
+        "loop_step_ms": 1e3 * loop,
+        "fastest_forward_ms": 1e3 * fastest,
+        "sampling_ms": 1e3 * sampling,
+        "verify_ms": {n: 1e3 * t for n, t in curve.items()},
+        "loop_within_noise": loop_ok,
+        "verify_faster_than_vanilla": sorted(faster),
+        "summary": words,
+    }
 
 
 @torch.inference_mode()

@@ -279,7 +279,8 @@ def measure(
                 base = max(vanilla_tps, hf_tps or 0.0)
                 n_prompts = sum(len(b) for b in batches if cat in ("all", b[0].category))
                 # one vanilla step (a target forward over one token per row), the t_target(1) of DESIGN.md §4
-                vanilla_step = sum(s.verify_s for s in v["stats"]) / max(1, sum(s.rounds for s in v["stats"]))
+                vanilla_rounds = max(1, sum(s.rounds for s in v["stats"]))
+                vanilla_step = sum(s.verify_s for s in v["stats"]) / vanilla_rounds
                 common = {
                     "category": cat,
                     "temperature": temp,
@@ -292,6 +293,13 @@ def measure(
                     "vanilla_mean_answer_tokens": v["tokens"] / n_prompts,
                     "prompts": n_prompts,
                     "max_new_tokens": max_new_tokens,
+                    # where vanilla's time goes: the forward per step, sampling and bookkeeping per step, prefill
+                    "vanilla_ms": {
+                        "forward": 1e3 * vanilla_step,
+                        "bookkeeping": 1e3 * sum(s.bookkeeping_s for s in v["stats"]) / vanilla_rounds,
+                        "prefill_total": 1e3 * sum(s.prefill_s for s in v["stats"]),
+                        "total": 1e3 * v["s"],
+                    },
                 }
                 named = [(c.proposer, c.setting, acc[c.key], c) for c in candidates]
                 named += [(name, "HF generate", tally, None) for name, tally in assisted.items()]

@@ -123,7 +123,7 @@ def quickstart(argv: list[str]) -> None:
 
         draft, how = AutoModelForCausalLM.from_pretrained(DRAFT_MODEL, dtype=torch.float32).eval(), "distilled"
     else:  # the same cut without its distillation: instant, and still a real small model on the tokenizer
-        from train.draft_model import cut_target
+        from models.draft_model import cut_target
 
         draft, how = cut_target(target, 2).eval(), "not distilled"
     candidates.append(Candidate(f"draft model (2 layers, {how})", "chain 1", lambda: DraftModelProposer(draft, k=1)))

@@ -329,6 +329,7 @@ def test_draft_model_is_cut_from_the_target_and_distilled(tiny_recipe, tmp_path)
             str(ROOT / "recipes" / "smollm2-135m" / "draft_model.yaml"),
             f"target.name_or_path={tiny_recipe / 'target'}",
             "target.device=cpu",
+            "target.dtype=float32",  # the weights are compared with the fp32 target's
             f"data.path={tiny_recipe / 'train.jsonl'}",
             "data.format=text",
             "data.max_length=64",

@@ -125,3 +125,22 @@ def test_target_dtype_fastest_follows_the_measurement(tmp_path, monkeypatch):
         monkeypatch.setattr(models.target, "cpu_bf16_is_fast", lambda fast=fast: fast)
         target = TargetModel.from_config(TargetConfig(name_or_path=str(tmp_path), dtype="fastest", device="cpu"))
         assert target.dtype == want
+
+
+def test_pilot_acceptance_is_shrunk_toward_the_checkpoints_heldout_acceptance():
+    """A 10-attempt pilot that happened to reject depth 3 cannot outvote 64 held-out samples; a pilot of thousands of
+    attempts decides by itself; no prior leaves the pilot's rates."""
+    from eval.cost_curve import PRIOR_WEIGHT, best_chain_length, shrunk_alpha
+
+    prior = [0.45, 0.38, 0.36, 0.33]
+    small = shrunk_alpha([3, 2, 0], [10, 3, 2], prior, prior_samples=64)
+    assert small[2] == pytest.approx((0 + 64 * 0.36) / (2 + 64)) and small[2] > 0.3
+    big = shrunk_alpha([900, 0], [3000, 900], prior, prior_samples=64)
+    assert big[0] == pytest.approx(0.3, abs=0.01) and big[1] < 0.03
+    assert shrunk_alpha([1, 0], [2, 1], None, 0) == [0.5, 0.0]
+    assert shrunk_alpha([0], [0], [0.5], 10_000) == [0.5] and PRIOR_WEIGHT < 10_000  # the weight is capped
+    # on a flat verify curve the shrunk acceptance picks a long chain where the raw pilot picked 1
+    flat = {n: 0.035 for n in range(1, 7)}
+    pilot = ([3, 0, 0, 0], [10, 3, 0, 0])
+    assert best_chain_length(shrunk_alpha(*pilot, None, 0), 0.001, flat)[0] == 1
+    assert best_chain_length(shrunk_alpha(*pilot, prior, 64), 0.001, flat)[0] == 3

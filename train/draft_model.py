@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
-from transformers import LlamaForCausalLM  # noqa: E402
 
 from models.config import parse_cli, save_config  # noqa: E402
+from models.draft_model import cut_target  # noqa: E402
 from models.target import TargetConfig, TargetModel, load_tokenizer  # noqa: E402
 from train.data import DataConfig, build_dataset, collate  # noqa: E402
 from train.optim import adamw, set_lr, warmup_cosine  # noqa: E402
@@ -58,23 +58,6 @@ class DraftModelRecipe:
     target: TargetConfig
     data: DataConfig
     train: DraftTrainConfig
-
-
-def cut_target(target: TargetModel, layers: int) -> LlamaForCausalLM:
-    """A Llama with the target's embedding, its first ``layers`` decoder layers, final norm and (tied) head."""
-    if layers >= target.num_layers:
-        raise ValueError(f"layers={layers} must be fewer than the target's {target.num_layers}")
-    config = type(target.config).from_dict(target.config.to_dict())
-    config.num_hidden_layers = layers
-    draft = LlamaForCausalLM(config)
-    keep = {
-        k: v
-        for k, v in target.hf_model.state_dict().items()
-        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
-    }
-    draft.load_state_dict(keep, strict=False)  # lm_head.weight is tied to the embedding
-    draft.tie_weights()
-    return draft
 
 
 def main(argv: list[str]) -> None:

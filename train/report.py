@@ -243,9 +243,9 @@ def run_report(
     sizing = []
 
     def size(make, longest: int) -> int:
-        k, account = size_chain(target, make, [p.ids for p in prompts], longest, eos, log)
-        sizing.append(account)
-        return k
+        sized = size_chain(target, make, [p.ids for p in prompts], longest, eos, log)
+        sizing.append(sized.account())
+        return sized.k
 
     rows = measure(
         target,

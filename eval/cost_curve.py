@@ -36,6 +36,7 @@ from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
 from infer.timing import timed
 from infer.tree import chain
+from infer.tree_search import DynamicTreeConfig
 from models.target import TargetConfig, TargetModel, load_tokenizer
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -176,6 +177,75 @@ def size_chain(
     curve = verify_costs(target, prompts[0], tuple(range(1, max_k + 2)), reps=5, aux=make(1).signal is TargetSignal.AUX)
     k, rates = best_chain_length(alpha, draft_step, curve, overhead)
     sizing = ChainSizing(k, alpha, att, prior, prior_samples, draft_step, overhead, curve, rates, curve[1])
+    log(f"cost curve: {sizing.account()}")
+    return sizing
+
+
+TREE_GRID = (
+    DynamicTreeConfig(top_k=2, depth=3, total_tokens=4),
+    DynamicTreeConfig(top_k=3, depth=4, total_tokens=8),
+    DynamicTreeConfig(top_k=4, depth=5, total_tokens=12),
+    DynamicTreeConfig(top_k=4, depth=5, total_tokens=16),
+    DynamicTreeConfig(top_k=6, depth=6, total_tokens=24),
+)
+"""EAGLE-2 settings a report chooses among: 4 to 24 nodes, the range where this project's CPUs verify for < 2 plain
+steps (DESIGN.md §5); larger trees only pay where the verify curve stays flat further (a GPU: 60 nodes)."""
+
+
+def tree_name(tree: DynamicTreeConfig) -> str:
+    return f"EAGLE-2 k{tree.top_k} d{tree.depth} n{tree.total_tokens}"
+
+
+@dataclass
+class TreeSizing:
+    """How a dynamic tree was chosen on this machine: a pilot per setting, rated on the verify curve."""
+
+    tree: DynamicTreeConfig
+    tau: dict[str, float]
+    """Pilot τ by setting name."""
+    rates: dict[str, float]
+    """Predicted tokens/s by setting name: τ / (draft + verify(n) + bookkeeping) per round."""
+    vanilla_step_s: float
+
+    def predicted_speedup(self, name: str) -> float | None:
+        return self.rates[name] * self.vanilla_step_s if name in self.rates else None
+
+    def account(self) -> str:
+        return (
+            f"tree {tree_name(self.tree)} (pilot τ / predicted speedup "
+            + ", ".join(f"{n}: {self.tau[n]:.2f} / {self.predicted_speedup(n):.2f}" for n in self.rates)
+            + ")"
+        )
+
+
+def size_tree(
+    target: TargetModel,
+    make: Callable[[DynamicTreeConfig], Proposer],
+    prompts: list[list[int]],
+    eos_ids: tuple[int, ...],
+    grid: tuple[DynamicTreeConfig, ...] = TREE_GRID,
+    log: Callable[[str], None] = print,
+) -> TreeSizing:
+    """Pick an EAGLE-2 tree (top-k, depth, total tokens) on this machine: for each setting of ``grid``, a pilot of
+    `PILOT_PROMPTS` x `PILOT_TOKENS` gives τ and the draft and bookkeeping cost per round, `verify_costs` the
+    verify time of its node count here; the setting with the best predicted tokens/s wins. τ of a whole tree is
+    pooled over every round of the pilot, so it is steadier than the per-depth rates a chain is sized from."""
+    signal = make(grid[0]).signal
+    curve = verify_costs(
+        target, prompts[0], tuple(sorted({1, *(g.total_tokens for g in grid)})), 5, signal is TargetSignal.AUX
+    )
+    taus, rates = {}, {}
+    for tree in grid:
+        stats = [
+            generate_speculative(target, make(tree), [p], SamplingParams(max_new_tokens=PILOT_TOKENS), eos_ids).stats
+            for p in prompts[:PILOT_PROMPTS]
+        ]
+        rounds = max(1, sum(s.rounds for s in stats))
+        tau = sum(s.new_tokens for s in stats) / max(1, sum(s.row_forwards for s in stats))
+        per_round = sum(s.draft_s + s.bookkeeping_s for s in stats) / rounds + curve[tree.total_tokens]
+        taus[tree_name(tree)], rates[tree_name(tree)] = tau, tau / per_round
+    best = max(rates, key=rates.get)
+    sizing = TreeSizing(next(g for g in grid if tree_name(g) == best), taus, rates, curve[1])
     log(f"cost curve: {sizing.account()}")
     return sizing
 

@@ -144,3 +144,23 @@ def test_pilot_acceptance_is_shrunk_toward_the_checkpoints_heldout_acceptance():
     pilot = ([3, 0, 0, 0], [10, 3, 0, 0])
     assert best_chain_length(shrunk_alpha(*pilot, None, 0), 0.001, flat)[0] == 1
     assert best_chain_length(shrunk_alpha(*pilot, prior, 64), 0.001, flat)[0] == 3
+
+
+def test_tree_sizing_pilots_every_setting_and_rates_it_on_the_verify_curve(tiny_target, monkeypatch):
+    """The target drafting for itself accepts whatever of its greedy path the tree kept, so each setting's pilot τ
+    is well above 2 and at most its depth + 1; the choice is the setting of the grid with the best predicted rate."""
+    import eval.cost_curve
+    from eval.cost_curve import size_tree, tree_name
+    from infer.tree_search import DynamicTreeConfig
+
+    monkeypatch.setattr(eval.cost_curve, "PILOT_TOKENS", 24)
+
+    grid = (DynamicTreeConfig(2, 2, 4), DynamicTreeConfig(2, 4, 8))
+    sizing = size_tree(
+        tiny_target, lambda t: DraftModelProposer(tiny_target.model, tree=t), PROMPTS, (), grid, log=lambda m: None
+    )
+    assert set(sizing.rates) == {tree_name(g) for g in grid} and sizing.tree in grid
+    assert sizing.rates[tree_name(sizing.tree)] == max(sizing.rates.values())
+    for g in grid:
+        assert 2.0 < sizing.tau[tree_name(g)] <= g.depth + 1
+        assert sizing.predicted_speedup(tree_name(g)) > 0

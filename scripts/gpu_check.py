@@ -41,6 +41,7 @@ from infer.kernels import (  # noqa: E402
     verify_greedy,
     verify_rejection,
 )
+from infer.timing import synchronize, timed  # noqa: E402
 from infer.tree import DraftTree  # noqa: E402
 
 TIE_TOL = 1e-5
@@ -57,20 +58,13 @@ class Checker:
         self.failures: list[str] = []
 
     def sync(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
+        synchronize(self.device)
 
     def median_ms(self, fn: Callable[[], object]) -> float:
         fn()
         fn()  # warm-up: Triton compiles on the first call, the allocator settles on the second
-        times = []
-        for _ in range(self.repeats):
-            self.sync()
-            t0 = time.perf_counter()
-            fn()
-            self.sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+        self.sync()
+        return statistics.median(timed(fn, self.device) for _ in range(self.repeats)) * 1e3
 
     def add(
         self,

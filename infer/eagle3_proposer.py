@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from infer.attention import drop_holes
+from infer.family import ChainSizer, DrafterFamily, ProposerSetting, ReportSettings, register
 from infer.kernels.cpu_linear import install as install_cpu_linear
-from infer.proposer import Proposer, TargetSignal, compact_kv
+from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
 from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
@@ -151,7 +153,7 @@ class Eagle3Proposer(Proposer):
         self.kv_valid = self.kv_valid[:, :proposal_start]
         self.keys, self.values = self.keys[:, :, :proposal_start], self.values[:, :, :proposal_start]
         # rows sync different pair counts, so padding slots leave holes
-        self.keys, self.values, self.kv_valid = compact_kv(self.keys, self.values, self.kv_valid)
+        self.kv_valid, (self.keys, self.values) = drop_holes(self.kv_valid, [self.keys, self.values])
 
     # --- proposals ---------------------------------------------------------------------------------
 
@@ -232,3 +234,22 @@ class Eagle3Proposer(Proposer):
             tree = build_dynamic_tree(roots, root_logprobs, expand, self.tree)
         tree.tokens[:, 1:] = self.draft_to_target[tree.tokens[:, 1:]]  # node 0 is the root, already a target id
         return tree
+
+
+# --- the family ----------------------------------------------------------------------------------
+
+
+def report_proposers(drafter: Eagle3Drafter, settings: ReportSettings, size: ChainSizer) -> list[ProposerSetting]:
+    """EAGLE-3 in a report: a chain of ``settings.chain_k`` drafts (its length sized on the measuring machine) and the
+    EAGLE-2 dynamic tree (``settings.tree``), each left out when its size is 0."""
+    out = []
+    if settings.chain_k:
+        k = size(lambda n: Eagle3Proposer(drafter, k=n), settings.chain_k)
+        out.append(ProposerSetting(f"chain {k}", lambda: Eagle3Proposer(drafter, k=k)))
+    if settings.tree_total_tokens:
+        tree = settings.tree
+        out.append(ProposerSetting(settings.tree_name, lambda: Eagle3Proposer(drafter, tree=tree)))
+    return out
+
+
+FAMILY = register(DrafterFamily(Eagle3Drafter, Eagle3Proposer.signal, report_proposers))

@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from infer.accept import AcceptResult, accept_typical
+from infer.attention import additive_mask
 from infer.kernels import compact_kv, verify_greedy, verify_rejection
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, target_probs, warp_logits
@@ -162,12 +163,6 @@ class DecodeState:
         return keep
 
 
-def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool [B, q, k] → additive float mask [B, 1, q, k] (0 where allowed, dtype-min elsewhere)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
-
-
 @torch.no_grad()
 def prefill(target: TargetModel, state: DecodeState, capture_aux: bool = False):
     """Write ``prompt[:-1]`` of every row into the cache (left-padded). Returns the TargetOutput."""
@@ -188,7 +183,7 @@ def prefill(target: TargetModel, state: DecodeState, capture_aux: bool = False):
     allowed = (causal[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=state.device)[None]
     out = target(
         ids,
-        attention_mask=_additive_mask(allowed, target.dtype),
+        attention_mask=additive_mask(allowed, target.dtype),
         position_ids=positions,
         past_key_values=state.cache,
         use_cache=True,
@@ -266,7 +261,7 @@ def generate_vanilla(
         allowed = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)[:, None, :]
         logits = target.model(
             input_ids=state.roots[:, None],
-            attention_mask=_additive_mask(allowed, target.dtype),
+            attention_mask=additive_mask(allowed, target.dtype),
             position_ids=state.lengths[:, None],
             cache=state.cache,
             use_cache=True,
@@ -306,7 +301,7 @@ def verify_tree(target: TargetModel, state: DecodeState, tree: DraftTree, captur
     positions = state.lengths[:, None] + tree.depths()
     return target(
         tree.tokens,
-        attention_mask=_additive_mask(allowed, target.dtype),
+        attention_mask=additive_mask(allowed, target.dtype),
         position_ids=positions,
         past_key_values=state.cache,
         use_cache=True,

@@ -11,8 +11,12 @@ typical acceptance, lossy, when the runtime is asked for it).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
+from infer.family import ChainSizer, DrafterFamily, ProposerSetting, ReportSettings, register
+from infer.generate import SpecConfig
 from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
@@ -80,3 +84,34 @@ class MedusaProposer(Proposer):
         valid[:, 0] = True
         parents = torch.tensor(self.parents, device=self.device).expand(B, n).clone()
         return DraftTree(tokens, parents, valid)
+
+
+# --- the family ----------------------------------------------------------------------------------
+
+
+class MedusaReportSettings(ReportSettings, Protocol):
+    """The report settings Medusa reads beyond the generic ones (fields of eval.report.ReportConfig)."""
+
+    typical_acceptance: bool
+    """Also measure the chain with Medusa's typical acceptance (lossy: such rows are labelled "(lossy)" and have no
+    identity check)."""
+
+
+def report_proposers(drafter: MedusaDrafter, settings: MedusaReportSettings, size: ChainSizer) -> list[ProposerSetting]:
+    """Medusa in a report: a chain of the heads' top-1 (``settings.chain_k`` capped at the number of heads, sized on
+    the measuring machine), that chain again under typical acceptance when asked, and the static tree stored with
+    the heads (chosen at training time from held-out rank accuracies) when there is one."""
+    out = []
+    if settings.chain_k:
+        k = size(lambda n: MedusaProposer(drafter, k=n), min(settings.chain_k, drafter.config.num_heads))
+        out.append(ProposerSetting(f"chain {k}", lambda: MedusaProposer(drafter, k=k)))
+        if settings.typical_acceptance:
+            typical = SpecConfig(accept="typical")
+            out.append(ProposerSetting(f"chain {k}, typical acceptance", lambda: MedusaProposer(drafter, k=k), typical))
+    paths = [tuple(p) for p in drafter.config.tree_paths]
+    if paths:
+        out.append(ProposerSetting(f"static tree n{len(paths) + 1}", lambda: MedusaProposer(drafter, paths=paths)))
+    return out
+
+
+FAMILY = register(DrafterFamily(MedusaDrafter, MedusaProposer.signal, report_proposers))

@@ -21,10 +21,14 @@ tree drafts are deterministic, verified as one-hot q.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
+from infer.attention import drop_holes
+from infer.family import ChainSizer, DrafterFamily, ProposerSetting, ReportSettings, register
 from infer.kernels.cpu_linear import install as install_cpu_linear
-from infer.proposer import Proposer, TargetSignal, compact_kv
+from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
 from models.mtp import MTPDrafter
@@ -122,7 +126,7 @@ class MTPProposer(Proposer):
 
     def _repack(self, j: int) -> None:
         """Drop the holes the speculative tails leave (j - 1 per round) once they dominate depth j's cache."""
-        keys, values, self.kv_valid[j] = compact_kv(*self.kv[j], self.kv_valid[j])
+        self.kv_valid[j], (keys, values) = drop_holes(self.kv_valid[j], list(self.kv[j]))
         self.kv[j] = (keys, values)
 
     # --- proposals ---------------------------------------------------------------------------------
@@ -176,3 +180,32 @@ class MTPProposer(Proposer):
         valid[:, 0] = True
         parent_ids = torch.tensor(parents, device=self.device).expand(B, n).clone()
         return DraftTree(torch.stack(tokens, 1), parent_ids, valid)
+
+
+# --- the family ----------------------------------------------------------------------------------
+
+
+class MTPReportSettings(ReportSettings, Protocol):
+    """The report settings MTP reads beyond the generic ones (fields of eval.report.ReportConfig)."""
+
+    mtp_top_k: int
+    """The tree: the chain plus the next top_k - 1 candidates of every depth as leaves (1 + D·top_k nodes); 1 leaves
+    it out."""
+
+
+def report_proposers(drafter: MTPDrafter, settings: MTPReportSettings, size: ChainSizer) -> list[ProposerSetting]:
+    """MTP in a report (self-speculation): the chain of its D modules; when ``settings.chain_k`` > D, a chain of
+    chain_k reusing module D past its depth (its own row: acceptance decays with reuse); and the top-k tree. The
+    chain's length is the modules' count, so nothing is sized."""
+    D = drafter.config.num_modules
+    out = [ProposerSetting(f"chain {D}", lambda: MTPProposer(drafter))]
+    if settings.chain_k > D:
+        k = settings.chain_k
+        out.append(ProposerSetting(f"chain {k} (module {D} reused)", lambda: MTPProposer(drafter, k=k)))
+    if settings.mtp_top_k > 1:
+        top_k = settings.mtp_top_k
+        out.append(ProposerSetting(f"top-{top_k} tree n{1 + D * top_k}", lambda: MTPProposer(drafter, top_k=top_k)))
+    return out
+
+
+FAMILY = register(DrafterFamily(MTPDrafter, MTPProposer.signal, report_proposers))

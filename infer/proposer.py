@@ -59,18 +59,3 @@ class Proposer(Protocol):
 
     def drop_rows(self, keep: torch.Tensor) -> None:
         """Rows not in ``keep`` (batch indices) have finished."""
-
-
-def compact_kv(
-    keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A drafter's KV cache keys / values [B, nkv, S, d] with valid [B, S] bool, its holes dropped once they dominate
-    (S > 2·used + 64; rows that verify different counts, or speculative entries closed off, leave holes): each row's
-    valid entries in order, left-aligned, shorter rows padded with invalid slots. Unchanged below that threshold (a
-    gather per round would cost more than the holes)."""
-    S, used = valid.shape[1], int(valid.sum(1).max())
-    if S <= 2 * used + 64:
-        return keys, values, valid
-    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :used]
-    idx = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
-    return keys.gather(2, idx), values.gather(2, idx), valid.gather(1, order)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from infer.generate import _additive_mask
+from infer.attention import additive_mask, drop_holes
 from infer.proposer import Proposer
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
@@ -142,7 +142,7 @@ class DraftModelProposer(Proposer):
         allowed = torch.cat([self.kv_valid[:, None, :].expand(B, m, -1), new_allowed], 2)
         hidden = self.model.get_decoder()(
             input_ids=tokens,
-            attention_mask=_additive_mask(allowed, self.dtype),
+            attention_mask=additive_mask(allowed, self.dtype),
             position_ids=positions,
             cache=self.cache,
             use_cache=True,
@@ -182,13 +182,10 @@ class DraftModelProposer(Proposer):
     def _close_draft_slots(self) -> None:
         self.kv_valid[:, self._proposal_start :] = False
         # re-pack when holes dominate, so the cache does not grow without bound on long generations
-        S, used = self.kv_valid.shape[1], int(self.kv_valid.sum(1).max())
-        if S > 2 * used + 64:
-            order = torch.sort((~self.kv_valid).to(torch.int8), dim=1, stable=True).indices[:, :used]
-            for layer in self.cache.layers:
-                idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-                layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
-            self.kv_valid = self.kv_valid.gather(1, order)
+        layers = self.cache.layers
+        self.kv_valid, kvs = drop_holes(self.kv_valid, [kv for layer in layers for kv in (layer.keys, layer.values)])
+        for layer, keys, values in zip(layers, kvs[::2], kvs[1::2]):
+            layer.keys, layer.values = keys, values
 
     @torch.no_grad()
     def propose(self, contexts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> DraftTree:
@@ -237,7 +234,7 @@ class DraftModelProposer(Proposer):
             allowed = torch.cat([allowed_prior, own], 2)
             logits = self.model(
                 input_ids=frontier_tokens,
-                attention_mask=_additive_mask(allowed, self.dtype),
+                attention_mask=additive_mask(allowed, self.dtype),
                 position_ids=(self._draft_pos + frontier_depth - 1)[:, None].expand(B, k),
                 cache=self.cache,
                 use_cache=True,

@@ -4,8 +4,10 @@ A checkpoint folder holds ``config.json`` (the method's own shape config plus a 
 ``model.safetensors``. The block says which method wrote it and what target it was trained against; it is checked
 against the target before any weight is read, so a drafter never runs on a target it does not fit.
 
-Methods: ``eagle3`` (models/eagle3.py, reads aux-layer taps), ``medusa`` (models/medusa.py, reads the final-norm
-hidden state), ``mtp`` (models/mtp.py, reads the last layer's output before the final norm). `models.loader.load_drafter` picks the class from the block.
+The block's ``method`` names the drafter family that wrote it: each drafter class declares its own (``method``, e.g.
+``models.eagle3.Eagle3Drafter.method``) and writes it at save time. This module accepts any method name; which ones
+are known is the business of the family declarations (infer/family.py), and `infer.family.load_drafter` refuses an
+unknown one, naming the known ones, when the checkpoint is loaded.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from safetensors.torch import load_file, save_file
 from models.config import from_dict
 from models.target import AUX_LAYER_CONVENTION, TargetModel, tokenizer_fingerprint
 
-METHODS = ("eagle3", "medusa", "mtp")
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -44,22 +45,29 @@ class TargetInfo:
     """Decoder layers of the target; checked on load (aux ids index them)."""
     tokenizer_fingerprint: str | None
     """`models.target.tokenizer_fingerprint` of the target's tokenizer; checked when a tokenizer is given."""
+    method: str
+    """Which drafter family wrote the checkpoint (its drafter class's ``method``). No default: every block this code
+    ever wrote carries it, and a guess would load the wrong class."""
     aux_layer_ids: list[int] = field(default_factory=list)
-    """Feature taps, in the convention below (EAGLE-3; empty for methods that read the final hidden state)."""
+    """Feature taps the drafter reads, in the convention below (empty for drafters that read none, e.g. those of the
+    final hidden state); checked on load."""
     aux_layer_convention: str = AUX_LAYER_CONVENTION
     """How to read aux_layer_ids ("output_of_layer_0based": HF output_hidden_states[k + 1])."""
     target_architectures: list[str] = field(default_factory=list)
     """HF architectures of the target (informational; exports name the verifier with them)."""
-    method: str = "eagle3"
-    """Which drafter family wrote the checkpoint (one of METHODS)."""
     target_weights: str | None = None
     """Joint training changed the target: "lora" (a peft adapter in ``<checkpoint>/target``) or "full" (the whole
     target there). None: the drafter runs on the unchanged target. `models.loader.load_target` applies it."""
+    heldout_acceptance: list[float] = field(default_factory=list)
+    """Per-depth held-out acceptance (teacher-forced top-1 agreement) at the last evaluation before save; the
+    report's chain sizing shrinks its pilot toward it (eval.cost_curve.size_chain). Empty: not measured."""
+    heldout_samples: int = 0
+    """Held-out samples that acceptance was measured on (the weight it gets in sizing)."""
     version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown drafter method {self.method!r}; known: {list(METHODS)}")
+        if not self.method:
+            raise ValueError("method must name the drafter family that wrote the checkpoint")
         if self.version > FORMAT_VERSION:
             raise ValueError(f"checkpoint format version {self.version} is newer than this code ({FORMAT_VERSION})")
         if self.target_weights not in (None, "lora", "full"):
@@ -71,17 +79,20 @@ class TargetInfo:
             )
 
     @classmethod
-    def of(cls, target: TargetModel, tokenizer=None, method: str = "eagle3") -> TargetInfo:
-        """The block for a drafter of ``method`` trained on ``target`` (aux taps recorded for EAGLE-3 only)."""
+    def of(
+        cls, target: TargetModel, tokenizer=None, *, method: str, aux_layer_ids: list[int] | None = None
+    ) -> TargetInfo:
+        """The block for a drafter of family ``method`` trained on ``target``; ``aux_layer_ids``: the taps it reads
+        (drafters that read aux-layer features pass ``target.aux_layer_ids``; None: it reads none)."""
         return cls(
             target_name=str(target.name_or_path),
             target_vocab_size=target.vocab_size,
             target_hidden_size=target.hidden_size,
             target_num_layers=target.num_layers,
             tokenizer_fingerprint=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
-            aux_layer_ids=target.aux_layer_ids if method == "eagle3" else [],
-            target_architectures=list(target.config.architectures or [type(target.hf_model).__name__]),
             method=method,
+            aux_layer_ids=list(aux_layer_ids or []),
+            target_architectures=list(target.config.architectures or [type(target.hf_model).__name__]),
         )
 
     def check(self, target: TargetModel, tokenizer=None) -> None:
@@ -116,6 +127,11 @@ def read_checkpoint(path: str | Path) -> tuple[dict, TargetInfo]:
     block = raw.pop("drafters", None)
     if block is None:
         raise ValueError(f"{config_path} has no 'drafters' block: not a drafters checkpoint")
+    if "method" not in block:
+        raise ValueError(
+            f"{config_path}: its 'drafters' block names no method (every checkpoint drafters writes has one); add "
+            '"method": the family that wrote it (infer.family.FAMILIES lists the known ones)'
+        )
     raw.pop("architectures", None)
     return raw, from_dict(TargetInfo, block)
 

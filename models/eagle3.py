@@ -29,7 +29,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -172,7 +172,7 @@ def read_checkpoint_config(path: str | Path) -> tuple[Eagle3Config, TargetInfo]:
     raw, info = read_checkpoint(path)
     if info.method != METHOD:
         raise ValueError(
-            f"{path}: not an {METHOD} checkpoint (method={info.method!r}); models.loader.load_drafter reads any"
+            f"{path}: not an {METHOD} checkpoint (method={info.method!r}); infer.family.load_drafter reads any"
         )
     return from_dict(Eagle3Config, raw), info
 
@@ -370,6 +370,9 @@ class FusedStep(nn.Module):
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 drafter. ``from_target`` for a fresh one, ``from_pretrained`` to load a checkpoint."""
 
+    method: ClassVar[str] = METHOD
+    """The family name its checkpoints carry (infer/eagle3_proposer.py declares the family)."""
+
     def __init__(self, cfg: Eagle3Config, target_info: TargetInfo | None = None) -> None:
         super().__init__()
         self.config = cfg
@@ -407,7 +410,8 @@ class Eagle3Drafter(nn.Module):
         cfg = Eagle3Config.from_target(
             target.config, draft_vocab_size, num_aux_layers=len(target.aux_layer_ids), **overrides
         )
-        drafter = cls(cfg, TargetInfo.of(target, tokenizer)).to(device=target.device)
+        info = TargetInfo.of(target, tokenizer, method=cls.method, aux_layer_ids=target.aux_layer_ids)
+        drafter = cls(cfg, info).to(device=target.device)
         drafter.copy_embedding(target.embed_tokens.weight)
         return drafter
 

@@ -1,4 +1,9 @@
-"""One loader for every drafter checkpoint: the ``drafters`` block names the class (models/checkpoint.py)."""
+"""What loading a drafter checkpoint needs before its family is known: the method its ``drafters`` block names, and
+the target it runs on (with a jointly trained target's changes applied).
+
+The drafter itself is loaded by `infer.family.load_drafter`, which maps the method to the family's class: families
+declare themselves beside their proposers (infer/), and models/ imports nothing above it.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +11,12 @@ import dataclasses
 from pathlib import Path
 
 from models.checkpoint import TARGET_DIR, read_checkpoint
-from models.eagle3 import Eagle3Drafter
-from models.medusa import MedusaDrafter
-from models.mtp import MTPDrafter
 from models.target import TargetConfig, TargetModel
 
 
 def checkpoint_method(path: str | Path) -> str:
     """The method that wrote the checkpoint at ``path`` (reads config.json only)."""
     return read_checkpoint(path)[1].method
-
-
-def load_drafter(path: str | Path, target: TargetModel, tokenizer=None) -> Eagle3Drafter | MedusaDrafter | MTPDrafter:
-    """The drafter saved at ``path``, as its own class, checked against ``target`` before its weights are read."""
-    method = checkpoint_method(path)
-    if method == "eagle3":
-        return Eagle3Drafter.from_pretrained(path, target, tokenizer)
-    if method == "medusa":
-        return MedusaDrafter.from_pretrained(path, target, tokenizer)
-    if method == "mtp":
-        return MTPDrafter.from_pretrained(path, target, tokenizer)
-    raise ValueError(f"{path}: no loader for method {method!r}")
 
 
 def load_target(path: str | Path, cfg: TargetConfig) -> TargetModel:

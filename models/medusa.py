@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,9 @@ class ResBlock(nn.Module):
 class MedusaDrafter(nn.Module):
     """K Medusa heads. ``from_target`` for fresh heads, ``from_pretrained`` to load a checkpoint."""
 
+    method: ClassVar[str] = METHOD
+    """The family name its checkpoints carry (infer/medusa_proposer.py declares the family)."""
+
     def __init__(self, cfg: MedusaConfig, target_info: TargetInfo | None = None) -> None:
         super().__init__()
         self.config, self.target_info = cfg, target_info
@@ -101,7 +105,7 @@ class MedusaDrafter(nn.Module):
     ) -> MedusaDrafter:
         """Fresh heads for ``target``: zero ResBlocks; per-head lm_heads copied from the target's."""
         cfg = MedusaConfig(target.hidden_size, target.vocab_size, num_heads, num_layers, shared_head)
-        drafter = cls(cfg, TargetInfo.of(target, tokenizer, method=METHOD))
+        drafter = cls(cfg, TargetInfo.of(target, tokenizer, method=cls.method))
         drafter.to(device=target.device, dtype=target.lm_head.weight.dtype)
         drafter.attach_target(target)
         if drafter.lm_heads is not None:

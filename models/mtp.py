@@ -25,6 +25,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +118,9 @@ def merged_state(layer: nn.Module) -> dict[str, torch.Tensor]:
 class MTPDrafter(nn.Module):
     """D MTP modules over a target. ``from_target`` for fresh modules, ``from_pretrained`` to load a checkpoint."""
 
+    method: ClassVar[str] = METHOD
+    """The family name its checkpoints carry (infer/mtp_proposer.py declares the family)."""
+
     def __init__(self, cfg: MTPConfig, target: TargetModel, target_info: TargetInfo | None = None) -> None:
         super().__init__()
         layer_cls = type(target.decoder_layers[-1])
@@ -163,7 +167,7 @@ class MTPDrafter(nn.Module):
             rms_norm_eps=text.rms_norm_eps,
             block_init=block_init,
         )
-        drafter = cls(cfg, target, TargetInfo.of(target, tokenizer, method=METHOD))
+        drafter = cls(cfg, target, TargetInfo.of(target, tokenizer, method=cls.method))
         if block_init == "last_layer":
             state = merged_state(target.decoder_layers[-1])
             with torch.no_grad():

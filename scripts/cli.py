@@ -2,6 +2,7 @@
 
 drafters get-target [NAME] [--out DIR] [--force]        # build a reference target's HF folder (default smollm2-135m-instruct)
 drafters quickstart [--skip-training] [--prompts N]     # target, one chat answer, a short EAGLE-3 run, τ + speedup
+drafters report --drafter DIR [key=value ...]            # τ / speedup report of any checkpoint (eval/report.py)
 drafters bench [args of eval.bench_runtime]              # runtime benchmark of the drafter-free proposers
 drafters build-data [args of train.chat_data]            # self-synthesised, self-distilled chat data (resumable)
 drafters regenerate [args of scripts/regenerate.py]      # self-distillation of an existing chat dataset
@@ -149,6 +150,13 @@ def _run_script(path: Path, argv: list[str]) -> None:
     runpy.run_path(str(path), run_name="__main__")
 
 
+def _report(argv: list[str]) -> None:
+    # called, not run as __main__: its config dataclasses must resolve their annotations in their own module
+    from eval.report import report_main
+
+    report_main(argv)
+
+
 def _run_module(name: str, argv: list[str]) -> None:
     sys.argv = [name, *argv]
     runpy.run_module(name, run_name="__main__")
@@ -159,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = {
         "get-target": get_target,
         "quickstart": quickstart,
+        "report": _report,
         "bench": lambda a: _run_module("eval.bench_runtime", a),
         "build-data": lambda a: _run_module("train.chat_data", a),
         "regenerate": lambda a: _run_script(ROOT / "scripts" / "regenerate.py", a),

@@ -71,7 +71,8 @@ def meta_8b() -> Eagle3Drafter:
         4096,
         32,
         None,
-        default_aux_layer_ids(32),
+        method=Eagle3Drafter.method,
+        aux_layer_ids=default_aux_layer_ids(32),
         target_architectures=["LlamaForCausalLM"],
     )
     with torch.device("meta"):

@@ -157,8 +157,8 @@ def test_cost_curve_times_every_size_at_a_fixed_context(tiny_target):
     assert vanilla_step_cost(tiny_target.model, context, reps=2) > 0
 
 
-def test_compact_kv_left_aligns_each_rows_valid_entries_once_holes_dominate():
-    from infer.proposer import compact_kv
+def test_drop_holes_left_aligns_each_rows_valid_entries_once_holes_dominate():
+    from infer.attention import drop_holes
 
     B, nkv, S, d = 2, 2, 140, 3
     keys = torch.arange(B * nkv * S * d, dtype=torch.float32).reshape(B, nkv, S, d)
@@ -166,13 +166,32 @@ def test_compact_kv_left_aligns_each_rows_valid_entries_once_holes_dominate():
     valid = torch.zeros(B, S, dtype=torch.bool)
     valid[0, [3, 50, 99]] = True  # 3 used of 140 slots: 140 > 2·3 + 64, so it packs
     valid[1, [7, 8]] = True
-    k, v, ok = compact_kv(keys, values, valid)
+    ok, (k, v) = drop_holes(valid, [keys, values])
     assert k.shape == (B, nkv, 3, d) and ok.tolist() == [[True, True, True], [True, True, False]]
     assert torch.equal(k[0], keys[0][:, [3, 50, 99]]) and torch.equal(v[1, :, :2], values[1][:, [7, 8]])
     few = valid.clone()
     few[0, :40] = True  # 40 + 64 used-equivalent: below the threshold, nothing moves
-    same = compact_kv(keys, values, few)
-    assert same[0] is keys and same[2] is few
+    same_valid, same = drop_holes(few, [keys, values])
+    assert same_valid is few and same[0] is keys and same[1] is values
+
+
+def test_draft_model_cache_drops_its_holes_and_stays_token_identical(tiny_target, tiny_draft):
+    """A dynamic tree closes ~10 draft slots a round; once they dominate, the draft model's cache is re-packed
+    (infer.attention.drop_holes over every layer) and the answer is still the target's own."""
+    widths = []
+
+    class Recording(DraftModelProposer):
+        def _close_draft_slots(self) -> None:
+            super()._close_draft_slots()
+            widths.append((self.kv_valid.shape[1], self.cache.layers[0].keys.shape[2]))
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    proposer = Recording(tiny_draft, tree=DynamicTreeConfig(top_k=3, depth=4, total_tokens=10))
+    res = generate_speculative(tiny_target, proposer, [PROMPTS[1]], params)
+    assert res.tokens[0] == generate_vanilla(tiny_target, [PROMPTS[1]], params).tokens[0]
+    assert all(w == k for w, k in widths)  # mask and every layer's cache agree
+    assert any(after < before for (before, _), (after, _) in zip(widths, widths[1:]))  # it did re-pack
+    assert max(w for w, _ in widths) <= 2 * (len(PROMPTS[1]) + 40) + 64 + 9  # bounded: never past the threshold
 
 
 @pytest.mark.parametrize("seed", range(4))

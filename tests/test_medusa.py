@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from infer.family import load_drafter
 from infer.generate import generate_speculative, generate_vanilla
 from infer.medusa_proposer import MedusaProposer
 from infer.sampling import SamplingParams
@@ -20,7 +21,6 @@ from models.export import (
     save_medusa_original,
     save_medusa_vllm,
 )
-from models.loader import load_drafter
 from models.medusa import MedusaConfig, MedusaDrafter
 from models.target import TargetModel
 from tests.conftest import run_to_end, tiny_llama, tiny_run_args

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from infer.family import load_drafter
 from infer.generate import generate_speculative, generate_vanilla
 from infer.mtp_proposer import MTPProposer
 from infer.sampling import SamplingParams
-from models.loader import load_drafter
 from models.mtp import MTPDrafter
 from train.features import attention_masks
 

@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
+from infer.family import load_drafter
 from models.checkpoint import read_checkpoint
 from models.config import ConfigError, load_config
-from models.loader import load_drafter, load_target
+from models.loader import load_target
 from models.mtp import MTPDrafter
 from models.target import TargetConfig, TargetModel
 from tests.conftest import ROOT, run_to_end, tiny_run_args

@@ -3,7 +3,7 @@
     python train/eagle3.py --config recipes/smollm2-135m/eagle3.yaml [key=value ...]
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml train/eagle3.py --config ...   # 2 CPU ranks
     torchrun --nproc_per_node 2 train/eagle3.py --config ...
-    python train/eagle3.py report --drafter DIR [--config recipe.yaml] [report.prompts=8 ...]   # any checkpoint
+    python train/eagle3.py report --drafter DIR [--config recipe.yaml] [report.prompts=8 ...]   # eval/report.py
 
 Top to bottom: parse config → target, tokenizer, data → draft vocabulary + drafter → (offline: feature cache) →
 training-time-test loop (EAGLE-3: soft cross-entropy on the draft vocab, step weights 0.8^i, AdamW + warm-up +
@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from eval.report import ReportConfig, run_report  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.eagle3 import Eagle3Drafter  # noqa: E402
 from models.export import save_sglang, save_speculators  # noqa: E402
@@ -44,12 +45,13 @@ from train.loop import (  # noqa: E402
     load_target_and_data,
     make_accelerator,
     record,
+    report_mode,
+    stamp_heldout,
     start_training,
     to_device,
 )
 from train.losses import eagle3_ttt_loss, simulated_tau  # noqa: E402
 from train.optim import adamw  # noqa: E402
-from train.report import ReportConfig, report_main, run_report  # noqa: E402
 from train.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled  # noqa: E402
 
 
@@ -148,7 +150,7 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "report":
-        return report_main(argv[1:], Eagle3RecipeConfig)
+        return report_mode(argv[1:], Eagle3RecipeConfig)
     cfg = parse_cli(Eagle3RecipeConfig, argv)
     tc = cfg.train
     out = Path(tc.output_dir)
@@ -233,6 +235,7 @@ def main(argv: list[str]) -> None:
     accelerator.end_training()
     if not accelerator.is_main_process:
         return
+    stamp_heldout(model.target_info, tc, eval_set)
     model.save_pretrained(out, gathered)
     if gathered is not None:  # the sharded module in hand is not the drafter: serve the one file just written
         model = Eagle3Drafter.from_pretrained(out, target, tokenizer)

@@ -110,15 +110,6 @@ def quality(
     }
 
 
-def quality_note(before: dict, after: dict) -> str:
-    """The report's sentence on the quality guard (both dicts from `quality`)."""
-    return (
-        f"Target quality on held-out answers, before → after joint training: LM loss {before['eval/lm_loss']:.4f}"
-        f" → {after['eval/lm_loss']:.4f}, top-1 agreement with the original {before['eval/agreement']:.4f}"
-        f" → {after['eval/agreement']:.4f}."
-    )
-
-
 def save_target_changes(target: TargetModel, drafter, out: str | Path) -> None:
     """The adapter (LoRA) or the whole target (full) into ``<out>/target``, and the drafter's checkpoint block told
     so; call before the drafter's own save (a checkpoint whose config.json exists is complete)."""

@@ -17,11 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 from tqdm.auto import tqdm
 
+from eval.report import report_main
+from models.checkpoint import TargetInfo
 from models.config import save_config, to_dict
 from models.target import TargetModel, load_tokenizer
 from train.checkpoint import load_training_state
@@ -263,6 +266,17 @@ def feature_source(
     return FeatureCache(cache_dir), collate_features
 
 
+def stamp_heldout(info: TargetInfo, tc: TrainConfig, eval_set) -> None:
+    """Write the run's last held-out per-depth acceptance (``eval/acc`` in train_log.jsonl, resumed runs included)
+    and its sample count into the checkpoint block, so any later report can size chains with it."""
+    log = Path(tc.output_dir) / "train_log.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+    last = next((r["eval/acc"] for r in reversed(rows) if r.get("eval/acc")), None)
+    if last is not None and eval_set is not None:
+        info.heldout_acceptance = [float(a) for a in last]
+        info.heldout_samples = min(len(eval_set), tc.eval_samples)
+
+
 def record(accelerator: Accelerator, tc: TrainConfig, metrics: dict, log) -> None:
     """One metrics line: stdout, <output_dir>/train_log.jsonl (appended) and the tracker, main process only."""
     log(json.dumps(metrics))
@@ -322,6 +336,17 @@ def load_target_and_data(cfg, accelerator: Accelerator, log, prepare: Callable[[
         Path(tc.output_dir).mkdir(parents=True, exist_ok=True)
         save_config(cfg, Path(tc.output_dir) / "recipe.yaml")
     return tokenizer, pad_id, target, full, train_set, eval_set
+
+
+def report_mode(argv: list[str], recipe_cls: type) -> None:
+    """``python train/<method>.py report ...``: the shared report (`eval.report.report_main`, as ``drafters report``)
+    with ``--config`` read as a recipe of ``recipe_cls``, and that recipe's eval_data samples built here for
+    ``report.prompt_source=eval_data`` (data building is train/'s; eval/ is handed the samples)."""
+
+    def eval_set(cfg, tokenizer) -> datasets.Dataset | None:
+        return build_dataset(cfg.eval_data, tokenizer)[0] if cfg.eval_data is not None else None
+
+    report_main(argv, recipe_cls, eval_set)
 
 
 def start_training(

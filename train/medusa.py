@@ -3,7 +3,7 @@
     python train/medusa.py --config recipes/smollm2-135m/medusa1.yaml [key=value ...]
     python train/medusa.py --config recipes/smollm2-135m/medusa2.yaml [key=value ...]    # joint: LoRA or full
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml train/medusa.py --config ...   # 2 CPU ranks
-    python train/medusa.py report --drafter DIR [--config recipe.yaml] [report.prompts=8 ...]   # any checkpoint
+    python train/medusa.py report --drafter DIR [--config recipe.yaml] [report.prompts=8 ...]   # eval/report.py
 
 Top to bottom: parse config → target, tokenizer, data → heads → (offline: the feature cache, shareable with the
 EAGLE-3 recipe on the same target and data) → loop (Σ_k w^k CE_k on the assistant tokens, head k predicting token
@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from torch import nn  # noqa: E402
 
+from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
 from infer.tree_search import best_rank_paths, expected_accepted  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.export import save_medusa_original, save_medusa_vllm  # noqa: E402
@@ -42,7 +43,7 @@ from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
 from train.data import DataConfig  # noqa: E402
 from train.features import final_hidden, target_forward  # noqa: E402
-from train.joint import LM_LOSSES, quality, quality_note, save_target_changes, served, trained_modules  # noqa: E402
+from train.joint import LM_LOSSES, quality, save_target_changes, served, trained_modules  # noqa: E402
 from train.joint import lm_loss as joint_lm_loss  # noqa: E402
 from train.loop import (  # noqa: E402
     Progress,
@@ -54,11 +55,12 @@ from train.loop import (  # noqa: E402
     load_target_and_data,
     make_accelerator,
     record,
+    report_mode,
+    stamp_heldout,
     start_training,
     to_device,
 )
 from train.losses import medusa_head_targets, position_losses, rank_hits, simulated_tau  # noqa: E402
-from train.report import ReportConfig, report_main, run_report  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -192,7 +194,7 @@ def evaluate(accelerator, target, model: MedusaDrafter, eval_set, cfg: MedusaRec
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "report":
-        return report_main(argv[1:], MedusaRecipeConfig)
+        return report_mode(argv[1:], MedusaRecipeConfig)
     cfg = parse_cli(MedusaRecipeConfig, argv)
     tc, hc = cfg.train, cfg.heads
     out = Path(tc.output_dir)
@@ -296,6 +298,7 @@ def main(argv: list[str]) -> None:
         log(f"static tree: {len(heads.config.tree_paths)} nodes, expected τ {last_eval['eval/tree_expected_tau']:.2f}")
     if joint:
         save_target_changes(target, heads, out)
+    stamp_heldout(heads.target_info, tc, eval_set)
     heads.save_pretrained(out, gathered)
     if gathered is not None:  # the sharded module in hand is not the heads: serve the one file just written
         heads = MedusaDrafter.from_pretrained(out, target, tokenizer)

@@ -3,7 +3,7 @@
     python train/mtp.py --config recipes/smollm2-135m/mtp.yaml [key=value ...]          # frozen target
     python train/mtp.py --config recipes/smollm2-135m/mtp-joint.yaml [key=value ...]    # joint: LoRA or full
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml train/mtp.py --config ...   # 2 CPU ranks
-    python train/mtp.py report --drafter DIR [--config recipe.yaml] [report.prompts=8 ...]   # any checkpoint
+    python train/mtp.py report --drafter DIR [--config recipe.yaml] [report.prompts=8 ...]   # eval/report.py
 
 Top to bottom: parse config → target, tokenizer, data → D modules (models/mtp.py; blocks of the target's own layer
 class) → loop → checkpoint + DeepSeek-V3 / Qwen3-Next exports → τ / speedup report (the modules as a chain, reused
@@ -34,6 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from torch import nn  # noqa: E402
 
+from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
 from infer.tree_search import expected_accepted  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.export import save_mtp_deepseek, save_mtp_qwen3_next  # noqa: E402
@@ -45,7 +46,7 @@ from train.data import (
     collate,  # noqa: E402
 )
 from train.features import attention_masks, target_forward  # noqa: E402
-from train.joint import LM_LOSSES, quality, quality_note, save_target_changes, served, trained_modules  # noqa: E402
+from train.joint import LM_LOSSES, quality, save_target_changes, served, trained_modules  # noqa: E402
 from train.joint import lm_loss as joint_lm_loss  # noqa: E402
 from train.loop import (  # noqa: E402
     Progress,
@@ -56,11 +57,12 @@ from train.loop import (  # noqa: E402
     load_target_and_data,
     make_accelerator,
     record,
+    report_mode,
+    stamp_heldout,
     start_training,
     to_device,
 )
 from train.losses import medusa_head_targets, position_losses, rank_hits, simulated_tau  # noqa: E402
-from train.report import ReportConfig, report_main, run_report  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -198,7 +200,7 @@ def evaluate(accelerator, target: TargetModel, drafter: MTPDrafter, eval_set, tc
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "report":
-        return report_main(argv[1:], MTPRecipeConfig)
+        return report_mode(argv[1:], MTPRecipeConfig)
     cfg = parse_cli(MTPRecipeConfig, argv)
     tc, mc, jc = cfg.train, cfg.mtp, cfg.joint
     out, joint = Path(tc.output_dir), cfg.target.mode == "joint"
@@ -300,6 +302,7 @@ def main(argv: list[str]) -> None:
         return
     if joint:
         save_target_changes(target, drafter, out)
+    stamp_heldout(drafter.target_info, tc, eval_set)
     drafter.save_pretrained(out, gathered)
     if gathered is not None:  # the sharded module in hand is not the drafter: serve the one file just written
         drafter = MTPDrafter.from_pretrained(out, target, tokenizer)

@@ -1,0 +1,464 @@
+"""The verify-runtime report of any drafter: the end of every recipe, or on demand for any checkpoint of any family.
+
+    python -m eval.report --drafter DIR [--config report.yaml] [report.prompts=8 ...]
+    drafters report --drafter DIR [...]
+    python train/eagle3.py report --drafter DIR [--config recipe.yaml] [...]   # also train/medusa.py, train/mtp.py
+
+Measures, on held-out prompts (``eval.prompts``; every answer stops at the target's EOS) and in one process with
+interleaved runs (``eval.measure``): vanilla decoding, HF ``generate``, prompt lookup, the drafter in the settings its
+family declares (``infer.family``: e.g. EAGLE-3's chain and EAGLE-2 tree, Medusa's chain and static tree, MTP's
+chain, reuse past D and top-k tree), the drafters named in ``compare`` the same way, and (when given) a small draft
+model with the chain and tree settings; writes ``report.json`` + ``report.md`` with rows for all prompts and for each
+category. The report never names a family: it reads their declarations.
+
+The recipe entry points pass what only train/ can build (the ``eval_data`` samples of ``prompt_source=eval_data``),
+so this module needs nothing from train/ (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.cost_curve import (
+    ChainSizing,
+    heldout_acceptance,
+    size_chain,
+    size_tree,
+    tree_name,
+    vanilla_check,
+)
+from eval.measure import Candidate, MeasuredPrompt, measure, prepare_target, stop_ids, write_report
+from eval.prompts import CATEGORIES, builtin_prompts, encode_turns, load_prompt_file
+from infer.family import ChainSizer, family_of, load_drafter
+from infer.generate import generate_vanilla
+from infer.proposer import Proposer
+from infer.proposers import DraftModelProposer
+from infer.sampling import SamplingParams
+from infer.tree_search import DynamicTreeConfig
+from models.checkpoint import read_checkpoint
+from models.config import parse_cli
+from models.draft_model import cut_target
+from models.loader import load_target
+from models.target import TargetConfig, TargetModel, load_tokenizer
+
+PROMPT_SOURCES = ("builtin", "stdlib", "eval_data")
+DEFAULT_PROMPTS = 16
+"""Prompts per built-in category (and of the stdlib / eval_data sources) when ``report.prompts`` is None."""
+
+
+@dataclass
+class ReportConfig:
+    """What the closing report measures. Every family reads the generic settings (``infer.family.ReportSettings``);
+    a field read by one family only says which."""
+
+    enabled: bool = True
+    """Run the report at the end of training (the ``report`` mode runs it regardless)."""
+    prompt_source: str = "builtin"
+    """"builtin": the categories below (eval/prompts.py; needs a chat template); "stdlib": held-out files of the
+    standard-library corpus continued as raw text (targets without a chat template); "eval_data": the eval_data
+    samples, each cut before its first loss token (a recipe's ``report`` mode, or the samples passed to
+    `run_report`). ``prompts_path`` overrides all three."""
+    prompts_path: str | None = None
+    """A jsonl of Spec-Bench ({question_id, category, turns}) or HumanEval ({task_id, prompt}) rows to measure
+    instead (every turn of a multi-turn question is one measured prompt, after the target's own earlier answers)."""
+    categories: list[str] = field(default_factory=lambda: ["chat", "code"])
+    """Built-in categories for prompt_source "builtin": chat, code (HumanEval), copy, long."""
+    prompts: int | None = None
+    """Prompts per category (builtin) or in all (other sources; a file: its first N rows). None: a prompt file is
+    measured whole, the other sources give 16."""
+    prompt_tokens: int = 64
+    """eval_data prompts of raw text (loss on every token): the first prompt_tokens tokens of each sample."""
+    max_new_tokens: int = 128
+    """Cap on tokens per answer; answers stop earlier at the target's EOS."""
+    chain_k: int = 5
+    """Drafts per round of the chain setting (0 leaves the chain out); the longest chain tried when
+    chain_from_cost_curve is on. A family may cap it (Medusa: its number of heads) or add a row past its own depth
+    (MTP: chain_k > D reuses the last module)."""
+    chain_from_cost_curve: bool = True
+    """Pick each chain's length (1..chain_k) on the machine that runs the report, from a pilot run's acceptance
+    (shrunk toward the checkpoint's held-out acceptance) and step costs and the verify-cost curve measured there
+    (eval.cost_curve.size_chain), and the EAGLE-2 tree among eval.cost_curve.TREE_GRID (size_tree); the chosen chain's
+    neighbours are measured too, predicted and measured speedup side by side. Off: exactly chain_k and the tree_*
+    fields."""
+    tree_top_k: int = 4
+    """EAGLE-2 dynamic tree: children per node and frontier width (EAGLE-2 default 10; ≤ 16-node trees on a CPU)."""
+    tree_depth: int = 5
+    """EAGLE-2 dynamic tree depth."""
+    tree_total_tokens: int = 16
+    """Tree nodes per verify forward, root included (0 leaves the tree out)."""
+    mtp_top_k: int = 2
+    """Read by the MTP family (infer/mtp_proposer.py): its tree, the chain plus the next top_k - 1 candidates of
+    every depth as leaves (1 + D·top_k nodes); 1 leaves it out."""
+    draft_model: str | None = "cut"
+    """The small draft-model baseline, in every report unless null: a folder of a distilled draft model (HF causal
+    LM sharing the tokenizer, e.g. what train/draft_model.py writes); "cut", or a folder that does not exist yet: the
+    target's first ``draft_model_layers`` layers with its norm and head, not distilled (labelled so)."""
+    draft_model_layers: int = 2
+    """Layers of the undistilled cut (models/draft_model.py)."""
+    fp32_certificate: bool = True
+    """Where the target is served below fp32, re-run every lossless method at T = 0 on an fp32 copy of the target for
+    ``greedy_identical_fp32`` (eval.measure.fp32_pass; about one more T = 0 pass in fp32)."""
+    typical_acceptance: bool = False
+    """Read by the Medusa family (infer/medusa_proposer.py): also measure each Medusa drafter's chain with Medusa's
+    typical acceptance (lossy: such rows are labelled "(lossy)" and have no identity check)."""
+    compare: list[str] = field(default_factory=list)
+    """Other drafter checkpoints (any family) measured in the same run, e.g. the shipped EAGLE-3 beside Medusa."""
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    """Batch sizes to measure."""
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    """Sampling temperatures to measure (0 = greedy, with the token-identity check)."""
+    drafter_dir: str | None = None
+    """``report`` mode without --drafter: checkpoint to measure (default: train.output_dir of the --config recipe)."""
+    output_dir: str | None = None
+    """``report`` mode: where report.json / report.md go (default: the drafter's folder)."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_source not in PROMPT_SOURCES:
+            raise ValueError(f"prompt_source must be one of {PROMPT_SOURCES}, got {self.prompt_source!r}")
+        if any(c not in CATEGORIES for c in self.categories) or not self.categories:
+            raise ValueError(f"categories must be a non-empty list of {CATEGORIES}, got {self.categories}")
+        if (self.prompts is not None and self.prompts < 1) or self.max_new_tokens < 1 or self.prompt_tokens < 1:
+            raise ValueError("prompts, prompt_tokens and max_new_tokens must be >= 1")
+        if self.chain_k < 0 or self.tree_total_tokens < 0 or (self.tree_total_tokens and self.tree_total_tokens < 2):
+            raise ValueError("chain_k must be >= 0 and tree_total_tokens 0 or >= 2")
+        if self.chain_k == 0 and self.tree_total_tokens == 0:
+            raise ValueError("the report needs a chain (chain_k > 0) or a tree (tree_total_tokens > 0)")
+        if self.mtp_top_k < 1:
+            raise ValueError("mtp_top_k must be >= 1")
+        if any(b < 1 for b in self.batch_sizes) or any(t < 0 for t in self.temperatures):
+            raise ValueError("batch sizes must be >= 1 and temperatures >= 0")
+
+    @property
+    def tree(self) -> DynamicTreeConfig:
+        return DynamicTreeConfig(top_k=self.tree_top_k, depth=self.tree_depth, total_tokens=self.tree_total_tokens)
+
+    @property
+    def tree_name(self) -> str:
+        return f"EAGLE-2 k{self.tree_top_k} d{self.tree_depth} n{self.tree_total_tokens}"
+
+
+def report_prompts(
+    cfg: ReportConfig, tokenizer, target: TargetModel, eval_set: Sequence[dict] | None = None
+) -> tuple[list[MeasuredPrompt], str]:
+    """The measured prompts (token ids + category) and a one-line description of the prompt set."""
+    if cfg.prompts_path or cfg.prompt_source == "builtin":
+        if cfg.prompts_path:
+            chosen, name = load_prompt_file(cfg.prompts_path, cfg.prompts), f"file {cfg.prompts_path}"
+            name += f" ({len(chosen)} questions{'' if cfg.prompts is None else f', the first {cfg.prompts}'})"
+        else:
+            chosen = [p for c in cfg.categories for p in builtin_prompts(c, cfg.prompts or DEFAULT_PROMPTS)]
+            name = "built-in " + ", ".join(f"{c} ({sum(p.category == c for p in chosen)})" for c in cfg.categories)
+        if not tokenizer.chat_template:
+            raise ValueError("chat prompts need a tokenizer with a chat template; use report.prompt_source=stdlib")
+        params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
+        eos = stop_ids(tokenizer, target.model)
+        turns = encode_turns(chosen, tokenizer, lambda ids: generate_vanilla(target, [ids], params, eos).tokens[0])
+        return [MeasuredPrompt(ids, p.category, f"{p.question_id} turn {t + 1}") for p, t, ids in turns], name
+    if cfg.prompt_source == "stdlib":
+        from eval.stdlib_corpus import heldout_prompts
+
+        ids = [p["prompt_ids"] for p in heldout_prompts(tokenizer, n=cfg.prompts or DEFAULT_PROMPTS)]
+        return [MeasuredPrompt(i, "stdlib") for i in ids], "held-out standard-library files (raw text)"
+    if eval_set is None:
+        raise ValueError(
+            "report.prompt_source='eval_data' needs eval_data samples: run the recipe's own report mode "
+            "(python train/<method>.py report --config RECIPE) with an eval_data section"
+        )
+    prompts = []
+    for sample in eval_set:
+        first = next((i for i, m in enumerate(sample["loss_mask"]) if m), 0)
+        # chat: everything before the first assistant token; raw text (every token a target): a fixed-length head
+        cut = first if first > 1 else cfg.prompt_tokens
+        if len(sample["input_ids"]) > cut:
+            prompts.append(MeasuredPrompt(list(sample["input_ids"][:cut]), "eval_data"))
+        if len(prompts) == (cfg.prompts or DEFAULT_PROMPTS):
+            break
+    return prompts, "eval_data samples cut before their first loss token"
+
+
+def candidates(
+    drafters: list[torch.nn.Module],
+    cfg: ReportConfig,
+    sizers: list[ChainSizer] | None = None,
+    target: TargetModel | None = None,
+    log: Callable[[str], None] = print,
+) -> list[Candidate]:
+    """The report's proposers: for each drafter the settings its family declares (``infer.family``), then the draft
+    model's. ``sizers[i](make, longest) -> k`` picks drafter i's chain length on this machine (the last one sizes
+    the draft model's chain; None, or chain_from_cost_curve off: the longest). ``target``: where the undistilled
+    draft-model cut comes from."""
+
+    def longest(make: Callable[[int], Proposer], k: int) -> int:
+        return k
+
+    sizers = sizers if sizers is not None and cfg.chain_from_cost_curve else [longest] * (len(drafters) + 1)
+    out = []
+    for drafter, size in zip(drafters, sizers):
+        fam = family_of(drafter)
+        for s in fam.report_proposers(drafter, cfg, size):
+            out.append(Candidate(fam.method, s.setting, s.make, s.spec))
+    draft, how = baseline_draft_model(cfg, target, log)
+    if draft is not None:
+        draft = draft.to(next(drafters[0].parameters()).device).eval()
+        name = f"draft model ({draft.config.num_hidden_layers} layers, {how})"
+        if cfg.chain_k:
+            dk = sizers[-1](lambda n: DraftModelProposer(draft, k=n), cfg.chain_k)
+            out.append(Candidate(name, f"chain {dk}", lambda: DraftModelProposer(draft, k=dk)))
+        if cfg.tree_total_tokens:
+            tree = cfg.tree
+            out.append(Candidate(name, cfg.tree_name, lambda: DraftModelProposer(draft, tree=tree)))
+    return out
+
+
+def baseline_draft_model(cfg: ReportConfig, target: TargetModel | None, log: Callable[[str], None] = print):
+    """(the draft model, "distilled" / "not distilled") of ``cfg.draft_model``, or (None, "") when it is null."""
+    if cfg.draft_model is None:
+        return None, ""
+    if cfg.draft_model != "cut" and (Path(cfg.draft_model) / "config.json").exists():
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=torch.float32), "distilled"
+    if target is None:
+        raise ValueError("the undistilled draft-model cut needs the target")
+    layers = min(cfg.draft_model_layers, target.num_layers - 1)
+    if layers < 1:
+        log(f"report: the target has {target.num_layers} layer(s), no smaller cut to draft with; no draft-model rows")
+        return None, ""
+    if cfg.draft_model != "cut":
+        log(f"report: no draft model at {cfg.draft_model}; measuring the undistilled cut of the target instead")
+    return cut_target(target, layers), "not distilled"
+
+
+def run_report(
+    target: TargetModel,
+    drafter: torch.nn.Module,
+    tokenizer,
+    cfg: ReportConfig,
+    out_dir: str | Path,
+    eval_set: Sequence[dict] | None = None,
+    notes: str = "",
+    log: Callable[[str], None] = print,
+    drafter_dir: str | Path | None = None,
+) -> list[dict]:
+    """Measure ``drafter`` (any registered family) and ``cfg.compare`` and write report.json / report.md into
+    ``out_dir``; returns the result rows. ``eval_set``: tokenised samples (``input_ids``, ``loss_mask``) for
+    ``prompt_source=eval_data``. ``drafter_dir``: the drafter's checkpoint folder (default ``out_dir``), whose
+    held-out acceptance anchors the chain sizing."""
+    prompts, prompt_set = report_prompts(cfg, tokenizer, target, eval_set)
+    if not prompts:
+        raise ValueError(f"report: the prompt set ({prompt_set}) gave no prompts")
+    method = family_of(drafter).method  # before any compute: an undeclared drafter class fails here
+    drafters = [drafter.to(target.device).eval()]
+    drafters += [load_drafter(path, target, tokenizer).eval() for path in cfg.compare]
+    folders = [drafter_dir or out_dir, *cfg.compare, None]  # the last sizes the draft model: no checkpoint prior
+    log(
+        f"report: {len(prompts)} prompts ({prompt_set}), up to {cfg.max_new_tokens} new tokens (stop at EOS), "
+        f"T {cfg.temperatures}, bs {cfg.batch_sizes}"
+    )
+    eos = stop_ids(tokenizer, target.model)
+    prepare_target(target, log)  # before sizing: the cost curve must see the kernels the measurement uses
+    ids = [p.ids for p in prompts]
+    if cfg.chain_from_cost_curve and cfg.tree_total_tokens:
+        cfg = _sized_tree(target, drafters, cfg, ids, eos, log)
+    chains: list[tuple[str, Callable[[int], Proposer], ChainSizing]] = []
+
+    def sizer(folder: str | Path | None, proposer: str) -> ChainSizer:
+        prior, samples = heldout_acceptance(folder) if folder is not None else (None, 0)
+
+        def size(make: Callable[[int], Proposer], longest: int) -> int:
+            sized = size_chain(target, make, ids, longest, eos, log, prior, samples)
+            chains.append((proposer, make, sized))
+            return sized.k
+
+        return size
+
+    names = [family_of(d).method for d in drafters] + ["draft model"]
+    measured = candidates(drafters, cfg, [sizer(f, n) for f, n in zip(folders, names)], target, log)
+    neighbours = _chain_neighbours(measured, chains)
+    rows = measure(
+        target,
+        measured + neighbours,
+        prompts,
+        eos,
+        temperatures=tuple(cfg.temperatures),
+        max_new_tokens=cfg.max_new_tokens,
+        batch_sizes=tuple(cfg.batch_sizes),
+        fp32_certificate=cfg.fp32_certificate,
+        log=log,
+    )
+    checks = {}
+    if chains:
+        checks["sizing"] = _sizing_check(rows, measured, chains)
+    first = next((r for r in rows if r["temperature"] == 0.0 and r["batch_size"] == 1 and r["category"] == "all"), None)
+    if first is not None:
+        checks["vanilla_check"] = vanilla_check(target, prompts[0].ids, first)
+        log(f"vanilla check: {checks['vanilla_check']['summary']}")
+    write_report(
+        out_dir, method, str(target.name_or_path), rows, prompt_set=prompt_set, notes=notes.strip(), checks=checks
+    )
+    log(f"report written to {out_dir}/report.md")
+    return rows
+
+
+def _sized_tree(target, drafters, cfg: ReportConfig, ids, eos, log) -> ReportConfig:
+    """``cfg`` with the EAGLE-2 tree chosen on this machine (`size_tree`) from the first drafter whose family measures
+    the report's dynamic tree; unchanged when none does (their trees are their own: static, top-k)."""
+    for drafter in drafters:
+        fam = family_of(drafter)
+
+        def make(tree: DynamicTreeConfig, fam=fam, drafter=drafter) -> Proposer:
+            settings = dataclasses.replace(
+                cfg, chain_k=0, tree_top_k=tree.top_k, tree_depth=tree.depth, tree_total_tokens=tree.total_tokens
+            )
+            chosen = [
+                s for s in fam.report_proposers(drafter, settings, lambda m, k: k) if s.setting == tree_name(tree)
+            ]
+            return chosen[0].make()
+
+        probe = dataclasses.replace(cfg, chain_k=0)
+        if any(s.setting == cfg.tree_name for s in fam.report_proposers(drafter, probe, lambda m, k: k)):
+            tree = size_tree(target, make, ids, eos, log=log).tree
+            return dataclasses.replace(
+                cfg, tree_top_k=tree.top_k, tree_depth=tree.depth, tree_total_tokens=tree.total_tokens
+            )
+    return cfg
+
+
+def _owner(measured: list[Candidate], name: str, k: int) -> Candidate | None:
+    """The candidate a sizing chose: proposer ``name`` (the draft model's carries its layers in brackets), chain k."""
+    return next((c for c in measured if c.proposer.startswith(name) and c.setting == f"chain {k}"), None)
+
+
+def _chain_neighbours(measured: list[Candidate], chains) -> list[Candidate]:
+    """The chain lengths next to each sized one (k - 1, k + 1 within the sized range), so that the report shows
+    measured beside predicted speedup around the choice."""
+    out = []
+    for name, make, sized in chains:
+        owner = _owner(measured, name, sized.k)
+        if owner is None:
+            continue
+        for n in (sized.k - 1, sized.k + 1):
+            if n in sized.rates and not any(c.proposer == owner.proposer and c.setting == f"chain {n}" for c in out):
+                out.append(Candidate(owner.proposer, f"chain {n}", lambda make=make, n=n: make(n), owner.spec))
+    return out
+
+
+def _sizing_check(rows: list[dict], measured: list[Candidate], chains) -> dict:
+    """Predicted (from the pilot and the verify curve) and measured speedup of each sized chain and its neighbours
+    (T = 0, bs 1, all prompts), and the chosen setting's relative error."""
+    table, words = [], []
+    for name, _, sized in chains:
+        owner = _owner(measured, name, sized.k)
+        if owner is None:
+            continue
+        for n in sorted(sized.rates):
+            row = next(
+                (
+                    r
+                    for r in rows
+                    if r["proposer"] == owner.proposer
+                    and r["setting"] == f"chain {n}"
+                    and r["temperature"] == 0.0
+                    and r["batch_size"] == 1
+                    and r["category"] == "all"
+                ),
+                None,
+            )
+            if row is None:
+                continue
+            entry = {
+                "proposer": owner.proposer,
+                "setting": f"chain {n}",
+                "chosen": n == sized.k,
+                "predicted_speedup": sized.predicted_speedup(n),
+                "measured_speedup": row["speedup"],
+                "account": sized.account(),
+            }
+            table.append(entry)
+            words.append(
+                f"{owner.proposer} chain {n}{' (chosen)' if n == sized.k else ''}: predicted "
+                f"{entry['predicted_speedup']:.2f}x, measured {entry['measured_speedup']:.2f}x"
+            )
+    chosen = [e for e in table if e["chosen"]]
+    errors = [abs(e["predicted_speedup"] / e["measured_speedup"] - 1) for e in chosen if e["measured_speedup"]]
+    summary = "; ".join(words) + (f". Chosen settings' prediction error: {max(errors):.0%} at most" if errors else "")
+    return {"chains": table, "summary": summary + "."}
+
+
+@dataclass
+class ReportOnlyConfig:
+    """``python -m eval.report`` / ``drafters report`` without a recipe: a target and the report settings."""
+
+    target: TargetConfig | None = None
+    """Target to measure against (None: the checkpoint's target_name and aux ids)."""
+    report: ReportConfig = field(default_factory=ReportConfig)
+
+
+def report_main(
+    argv: list[str],
+    recipe_cls: type | None = None,
+    eval_set: Callable[[Any, Any], Sequence[dict] | None] | None = None,
+) -> None:
+    """``--drafter DIR [--config FILE] [overrides]``: measure any checkpoint (any family) with the verify runtime.
+
+    ``--config`` reads a `ReportOnlyConfig` file, or (from a recipe entry point, ``recipe_cls`` given) a recipe of
+    ``recipe_cls``: its target and report sections, and its ``train.output_dir`` as the default checkpoint.
+    ``eval_set(recipe, tokenizer)``: that recipe's eval_data samples for ``prompt_source=eval_data``, built by the
+    entry point (data building lives in train/) and only when that source is measured."""
+    args, drafter_dir = list(argv), None
+    if "--drafter" in args:
+        i = args.index("--drafter")
+        drafter_dir, args = args[i + 1], args[:i] + args[i + 2 :]
+    recipe = recipe_cls is not None and any(a == "--config" or a.startswith("--config=") for a in args)
+    cfg = parse_cli(recipe_cls if recipe else ReportOnlyConfig, args)
+    drafter_dir = drafter_dir or cfg.report.drafter_dir or (cfg.train.output_dir if recipe else None)
+    if drafter_dir is None:
+        raise SystemExit("report mode needs --drafter DIR (or --config with train.output_dir / report.drafter_dir)")
+    _, info = read_checkpoint(drafter_dir)
+    target_cfg = cfg.target or TargetConfig(name_or_path=info.target_name)
+    if target_cfg.aux_layer_ids is None and info.aux_layer_ids:
+        target_cfg.aux_layer_ids = info.aux_layer_ids
+    tokenizer = load_tokenizer(target_cfg.name_or_path)
+    target = load_target(drafter_dir, target_cfg)  # with the changes of a jointly trained target applied
+    drafter = load_drafter(drafter_dir, target, tokenizer)
+    rc = cfg.report
+    wants_samples = recipe and eval_set is not None and rc.prompt_source == "eval_data" and not rc.prompts_path
+    samples = eval_set(cfg, tokenizer) if wants_samples else None
+    out = rc.output_dir or drafter_dir
+    run_report(target, drafter, tokenizer, rc, out, samples, notes=joint_notes(drafter_dir), drafter_dir=drafter_dir)
+
+
+def quality_note(before: dict, after: dict) -> str:
+    """The report's sentence on a jointly trained target's quality guard (both dicts from train.joint.quality:
+    ``eval/lm_loss``, ``eval/agreement``), so the target's change stands next to τ."""
+    return (
+        f"Target quality on held-out answers, before → after joint training: LM loss {before['eval/lm_loss']:.4f}"
+        f" → {after['eval/lm_loss']:.4f}, top-1 agreement with the original {before['eval/agreement']:.4f}"
+        f" → {after['eval/agreement']:.4f}."
+    )
+
+
+def joint_notes(drafter_dir: str | Path) -> str:
+    """The quality-guard sentence of a jointly trained checkpoint, from the training log in its folder (empty when
+    there is none), so a report re-measured later still states the target's change next to τ."""
+    log = Path(drafter_dir) / "train_log.jsonl"
+    if not log.exists():
+        return ""
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    before = next((r for r in rows if "before/lm_loss" in r), None)
+    after = next((r for r in reversed(rows) if "eval/lm_loss" in r), None)
+    if before is None or after is None:
+        return ""
+    return quality_note({f"eval/{k.split('/')[1]}": v for k, v in before.items() if "/" in k}, after)
+
+
+if __name__ == "__main__":
+    report_main(sys.argv[1:])

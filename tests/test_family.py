@@ -1,0 +1,238 @@
+"""Drafter families (infer/family.py): a fourth family declared entirely in this file is saved, loaded back by the
+shared loader and measured by the shared report without a shared file naming it; unknown methods fail clearly; the
+shipped families' declarations agree with their proposers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+import infer.family
+from eval.measure import stop_ids
+from eval.report import ReportConfig, report_prompts, run_report
+from infer.family import (
+    FAMILIES,
+    ChainSizer,
+    DrafterFamily,
+    ProposerSetting,
+    ReportSettings,
+    family_of,
+    load_drafter,
+    lookup,
+    register,
+)
+from infer.generate import generate_vanilla
+from infer.proposer import Proposer, TargetSignal
+from infer.sampling import SamplingParams
+from infer.tree import DraftTree, chain
+from models.checkpoint import TargetInfo, read_checkpoint, read_weights, write_checkpoint
+from models.eagle3 import Eagle3Drafter
+from models.medusa import MedusaDrafter
+from models.mtp import MTPDrafter
+from models.target import TargetConfig, TargetModel, load_tokenizer
+from tests.conftest import ROOT
+
+# ---------------------------------------------------------------------------------------- a toy family
+
+
+class EchoHeads(nn.Module):
+    """A toy fourth family: "heads" that draft the target's own greedy continuation (by running the target), a
+    stand-in whose acceptance is known exactly: at T = 0 every draft is accepted. ``scale`` is there so that the
+    checkpoint holds a weight to round-trip."""
+
+    method: ClassVar[str] = "toy-echo"
+
+    def __init__(self, num_drafts: int, target: TargetModel, target_info: TargetInfo) -> None:
+        super().__init__()
+        self.num_drafts, self.target_info, self._target = num_drafts, target_info, [target]
+        self.scale = nn.Parameter(torch.ones(1))
+
+    @property
+    def target(self) -> TargetModel:
+        return self._target[0]
+
+    @classmethod
+    def from_target(cls, target: TargetModel, num_drafts: int, tokenizer=None) -> EchoHeads:
+        return cls(num_drafts, target, TargetInfo.of(target, tokenizer, method=cls.method))
+
+    def save_pretrained(self, path: str | Path) -> None:
+        write_checkpoint(path, "EchoHeads", {"num_drafts": self.num_drafts}, self.target_info, self.state_dict())
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: TargetModel, tokenizer=None) -> EchoHeads:
+        raw, info = read_checkpoint(path)
+        info.check(target, tokenizer)
+        heads = cls(raw["num_drafts"], target, info)
+        heads.load_state_dict(read_weights(path))
+        return heads
+
+
+class EchoProposer(Proposer):
+    """``k`` drafts a round: the target's greedy tokens after the context (no cache: the toy is about plumbing)."""
+
+    signal = TargetSignal.NONE
+
+    def __init__(self, heads: EchoHeads, k: int) -> None:
+        self.model, self.k = heads.target.model, k
+
+    @torch.no_grad()
+    def propose(self, contexts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> DraftTree:
+        rows = []
+        for ctx in contexts:
+            ids = torch.tensor([ctx], device=self.model.device)
+            for _ in range(self.k):
+                ids = torch.cat([ids, self.model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+            rows.append(ids[0, len(ctx) - 1 :])
+        return chain(torch.stack(rows))
+
+
+def echo_report_proposers(heads: EchoHeads, settings: ReportSettings, size: ChainSizer) -> list[ProposerSetting]:
+    k = size(lambda n: EchoProposer(heads, n), min(settings.chain_k, heads.num_drafts))
+    return [ProposerSetting(f"chain {k}", lambda: EchoProposer(heads, k))]
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The registry as shipped, restored after the test (a toy family registered here does not leak)."""
+    monkeypatch.setattr(infer.family, "FAMILIES", dict(FAMILIES))
+    return infer.family
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tiny_recipe):
+    """The recipe fixture's target (random tiny Llama) with its real BPE tokenizer."""
+    path = str(tiny_recipe / "target")
+    return TargetModel.from_config(TargetConfig(name_or_path=path, dtype="float32", device="cpu")), load_tokenizer(path)
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+
+def test_a_fourth_family_declared_in_a_test_is_loaded_and_reported_like_the_shipped_ones(registry, tiny_chat, tmp_path):
+    target, tokenizer = tiny_chat
+    toy = registry.register(DrafterFamily(EchoHeads, EchoProposer.signal, echo_report_proposers))
+    assert lookup("toy-echo") is toy and toy.method == "toy-echo"
+
+    EchoHeads.from_target(target, num_drafts=3, tokenizer=tokenizer).save_pretrained(tmp_path / "echo")
+    assert read_checkpoint(tmp_path / "echo")[1].method == "toy-echo"  # the name written comes from the class
+    heads = load_drafter(tmp_path / "echo", target, tokenizer)
+    assert isinstance(heads, EchoHeads) and heads.num_drafts == 3 and family_of(heads) is toy
+
+    Eagle3Drafter.from_target(target, draft_vocab_size=16, tokenizer=tokenizer).save_pretrained(tmp_path / "e3")
+    cfg = ReportConfig(
+        prompt_source="stdlib",
+        prompts=2,
+        max_new_tokens=12,
+        chain_k=3,
+        chain_from_cost_curve=False,
+        tree_total_tokens=0,
+        draft_model=None,
+        compare=[str(tmp_path / "e3")],  # a shipped family beside the toy, in the same run
+    )
+    rows = run_report(target, heads, tokenizer, cfg, tmp_path / "report", log=lambda msg: None)
+
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["method"] == "toy-echo"
+    assert {(r["proposer"], r["setting"]) for r in rows} == {
+        ("prompt lookup", "chain 10"),
+        ("toy-echo", "chain 3"),
+        ("eagle3", "chain 3"),
+    }
+    echo = next(r for r in rows if r["proposer"] == "toy-echo")
+    # every draft accepted: α = 1 at every depth, the target's own answers, and each round emits k + 1 = 4 tokens
+    # until the answer ends (a stop token or the budget), so τ = Σ answer lengths / Σ ⌈length / 4⌉ exactly
+    prompts, _ = report_prompts(cfg, tokenizer, target)
+    eos = stop_ids(tokenizer, target.model)
+    lengths = [
+        len(generate_vanilla(target, [p.ids], SamplingParams(max_new_tokens=12), eos).tokens[0]) for p in prompts
+    ]
+    assert echo["alpha"] == [1.0, 1.0, 1.0] and echo["greedy_identical"] == 1.0
+    assert echo["new_tokens"] == echo["vanilla_new_tokens"] == sum(lengths)
+    assert echo["tau"] == pytest.approx(sum(lengths) / sum(-(-n // 4) for n in lengths))
+    assert "| toy-echo | chain 3 |" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_an_unregistered_method_fails_at_load_time_naming_the_known_ones(registry, tiny_target, tmp_path):
+    EchoHeads.from_target(tiny_target, num_drafts=2).save_pretrained(tmp_path)  # its family is not registered
+    assert read_checkpoint(tmp_path)[1].method == "toy-echo"  # the block itself accepts any method name
+    known = r"known: \['eagle3', 'medusa', 'mtp'\]"
+    with pytest.raises(ValueError, match=rf"config.json: unknown drafter method 'toy-echo'; {known}"):
+        load_drafter(tmp_path, tiny_target)
+    with pytest.raises(ValueError, match=rf"no registered drafter family has the class EchoHeads; {known}"):
+        family_of(EchoHeads.from_target(tiny_target, num_drafts=2))
+
+    class Impostor(EchoHeads):
+        method: ClassVar[str] = "eagle3"
+
+    with pytest.raises(ValueError, match="method 'eagle3' is taken by Eagle3Drafter"):
+        register(DrafterFamily(Impostor, TargetSignal.NONE, echo_report_proposers))
+
+
+def test_a_block_without_a_method_is_refused_with_a_clear_error(tiny_target, tmp_path):
+    MedusaDrafter.from_target(tiny_target, num_heads=2).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["drafters"]["method"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'drafters' block names no method"):
+        load_drafter(tmp_path, tiny_target)
+
+
+def test_the_shipped_drafter_still_names_its_family():
+    _, info = read_checkpoint(ROOT / "models" / "smollm2_eagle3")
+    assert lookup(info.method).drafter_class is Eagle3Drafter
+
+
+def test_shipped_families_report_proposers_that_read_the_declared_signal(tiny_target):
+    """Each family's report settings build proposers reading the signal its declaration names (what the runtime
+    computes for them), and the method the report labels them with is the drafter class's own."""
+    medusa = MedusaDrafter.from_target(tiny_target, num_heads=2)
+    medusa.config.tree_paths = [[0], [1], [0, 0]]
+    drafters = [
+        Eagle3Drafter.from_target(tiny_target, draft_vocab_size=16),
+        medusa,
+        MTPDrafter.from_target(tiny_target, 1),
+    ]
+    cfg = ReportConfig(chain_k=2, typical_acceptance=True, tree_total_tokens=4, tree_top_k=2, tree_depth=2)
+    settings = {}
+    for drafter in drafters:
+        fam = family_of(drafter)
+        assert fam.method == type(drafter).method and fam is FAMILIES[fam.method]
+        made = fam.report_proposers(drafter, cfg, lambda make, longest: longest)
+        assert all(s.make().signal is fam.signal for s in made)
+        settings[fam.method] = [s.setting for s in made]
+    assert settings == {
+        "eagle3": ["chain 2", "EAGLE-2 k2 d2 n4"],
+        "medusa": ["chain 2", "chain 2, typical acceptance", "static tree n4"],
+        "mtp": ["chain 1", "chain 2 (module 1 reused)", "top-2 tree n3"],
+    }
+
+
+def test_drafters_report_measures_any_checkpoint_without_a_recipe(tiny_chat, tmp_path):
+    """``drafters report --drafter DIR`` (eval/report.py as a module): the target comes from the checkpoint's block,
+    the rows from the family it names."""
+    from scripts.cli import main
+
+    target, tokenizer = tiny_chat
+    MTPDrafter.from_target(target, 1, tokenizer).save_pretrained(tmp_path / "mtp")
+    out = tmp_path / "out"
+    settings = [
+        "prompt_source=stdlib",
+        "prompts=1",
+        "max_new_tokens=6",
+        "chain_k=1",
+        "mtp_top_k=1",
+        "draft_model=null",
+        f"output_dir={out}",
+    ]
+    main(["report", "--drafter", str(tmp_path / "mtp"), *(f"report.{s}" for s in settings)])
+    report = json.loads((out / "report.json").read_text())
+    assert report["method"] == "mtp"
+    assert [(r["proposer"], r["setting"]) for r in report["results"]] == [
+        ("prompt lookup", "chain 10"),
+        ("mtp", "chain 1"),
+    ]

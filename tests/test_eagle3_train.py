@@ -244,9 +244,17 @@ def test_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp_path, 
     report = json.loads((out / "report.json").read_text())
     rows = [r for r in report["results"] if r["proposer"] == "eagle3"]
     greedy = [r for r in rows if r["temperature"] == 0.0]
-    assert len(greedy) == 2 and all(r["greedy_identical"] == 1.0 for r in greedy)
+    # the sized chain, its neighbour lengths (predicted beside measured speedup) and the sized EAGLE-2 tree
+    settings = {r["setting"] for r in greedy}
+    assert sum(s.startswith("EAGLE-2") for s in settings) == 1 and 2 <= sum(s.startswith("chain") for s in settings)
+    assert all(r["greedy_identical"] == 1.0 and r["unexplained_divergences"] == 0 for r in greedy)
+    sizing = report["sizing"]["chains"]
+    assert sum(e["chosen"] for e in sizing) == 1 and all(e["measured_speedup"] > 0 for e in sizing)
+    assert report["vanilla_check"]["fastest_forward_ms"] > 0
     sampled = [r for r in rows if r["temperature"] == 1.0]  # the recipe also reports T = 1 (no identity check there)
-    assert len(sampled) == 2 and all(r["greedy_identical"] is None and r["tau"] >= 1.0 for r in sampled)
+    assert len(sampled) == len(greedy) and all(r["greedy_identical"] is None and r["tau"] >= 1.0 for r in sampled)
+    block = json.loads((out / "config.json").read_text())["drafters"]  # held-out acceptance recorded at save
+    assert len(block["heldout_acceptance"]) == 3 and block["heldout_samples"] == 4
     assert len((out / "self_distill.jsonl").read_text().splitlines()) == 6
     first = load_file(str(out / "model.safetensors"))
 

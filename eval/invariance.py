@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -28,7 +29,6 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrained
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from eval.cost_curve import vanilla_step_cost, verify_costs
 from eval.measure import prepare_target
 from infer.generate import DecodeState, generate_speculative, generate_vanilla, prefill, verify_tree
 from infer.kernels import cpu_linear
@@ -185,7 +185,26 @@ def greedy_cell(target: TargetModel, prompts: list[list[int]], max_new_tokens: i
 
 
 # ------------------------------------------------------------------------------------------------------ the table
-def table(sizes: list[str], dtypes: list[torch.dtype], rows: int, contexts: tuple[int, ...]) -> list[str]:
+def load_models(sizes: list[str], target: str | None) -> list[tuple[str, Callable[[torch.dtype], PreTrainedModel]]]:
+    """(label, build(dtype)) for the random Llamas named in ``sizes`` and, when given, a real target."""
+    out = []
+    for size in sizes:
+        c = SIZES[size]
+        out.append((f"{size} ({c['layers']}×{c['hidden']}, V {c['vocab']})", lambda d, c=c: random_llama(**c).to(d)))
+    if target is not None:
+        dtype_name = lambda d: str(d).removeprefix("torch.")
+        build = lambda d: TargetModel.from_config(TargetConfig(name_or_path=target, dtype=dtype_name(d))).model
+        out.append((target, build))
+    return out
+
+
+def table(
+    models: list[tuple[str, Callable[[torch.dtype], PreTrainedModel]]],
+    dtypes: list[torch.dtype],
+    rows: int,
+    contexts: tuple[int, ...],
+) -> None:
+    """Print the table, one model at a time."""
     columns = [(d, on) for d in dtypes for on in (False, True)]
     head = " | ".join(f"{str(d).removeprefix('torch.')} {'on' if on else 'off'}" for d, on in columns)
     lines = [
@@ -195,31 +214,29 @@ def table(sizes: list[str], dtypes: list[torch.dtype], rows: int, contexts: tupl
         f"| model | component | {head} |",
         "|---|---|" + "---|" * len(columns),
     ]
-    for size in sizes:
-        base = random_llama(**SIZES[size])
-        models = {d: random_llama(**SIZES[size]).to(d) for d in dtypes}
-        components: list[tuple[str, Callable[[PreTrainedModel, torch.dtype, bool], tuple[float, float]]]] = [
-            ("linear F.linear", lambda m, d, on: linear_cell(m, d, "linear", on, rows)),
-            ("linear x @ Wᵀ (cpu_linear x_wt)", lambda m, d, on: linear_cell(m, d, "x_wt", on, rows)),
-            ("linear (W @ xᵀ)ᵀ (cpu_linear w_x)", lambda m, d, on: linear_cell(m, d, "w_x", on, rows)),
-            ("attention sdpa", lambda m, d, on: merge([attention_cell(m, d, "sdpa", on, c) for c in contexts])),
-            ("attention eager", lambda m, d, on: merge([attention_cell(m, d, "eager", on, c) for c in contexts])),
-            ("RMSNorm", lambda m, d, on: rms_norm_cell(m, d)),
-            ("rotary cos/sin", lambda m, d, on: rotary_cell(m, d)),
-            ("SiLU(gate)·up", lambda m, d, on: silu_cell(m, d)),
-        ]
-        shape = f"{size} ({base.config.num_hidden_layers}×{base.config.hidden_size}, V {base.config.vocab_size})"
+    components: list[tuple[str, Callable[[PreTrainedModel, torch.dtype, bool], tuple[float, float]]]] = [
+        ("linear F.linear", lambda m, d, on: linear_cell(m, d, "linear", on, rows)),
+        ("linear x @ Wᵀ (cpu_linear x_wt)", lambda m, d, on: linear_cell(m, d, "x_wt", on, rows)),
+        ("linear (W @ xᵀ)ᵀ (cpu_linear w_x)", lambda m, d, on: linear_cell(m, d, "w_x", on, rows)),
+        ("attention sdpa", lambda m, d, on: merge([attention_cell(m, d, "sdpa", on, c) for c in contexts])),
+        ("attention eager", lambda m, d, on: merge([attention_cell(m, d, "eager", on, c) for c in contexts])),
+        ("RMSNorm", lambda m, d, on: rms_norm_cell(m, d)),
+        ("rotary cos/sin", lambda m, d, on: rotary_cell(m, d)),
+        ("SiLU(gate)·up", lambda m, d, on: silu_cell(m, d)),
+    ]
+    for label, build in models:
+        built = {d: build(d) for d in dtypes}
         with torch.inference_mode():
             for name, cell in components:
                 cells = []
                 for d, on in columns:
                     torch.manual_seed(0)
-                    cells.append(cell(models[d], d, on))
-                lines.append(f"| {shape} | {name} | " + " | ".join(f"{e:.2f} / {x:.1e}" for e, x in cells) + " |")
+                    cells.append(cell(built[d], d, on))
+                lines.append(f"| {label} | {name} | " + " | ".join(f"{e:.2f} / {x:.1e}" for e, x in cells) + " |")
         logit_cells, greedy_cells = [], []
-        prompts = repetitive_prompts(base.config.vocab_size, 6)
         for d, on in columns:
-            target = TargetModel(models[d])
+            target = TargetModel(built[d])
+            prompts = repetitive_prompts(target.vocab_size, 6)
             if on:
                 install(target.model, rows)
             torch.manual_seed(0)
@@ -227,97 +244,153 @@ def table(sizes: list[str], dtypes: list[torch.dtype], rows: int, contexts: tupl
             greedy_cells.append(greedy_cell(target, prompts))
             if on:
                 uninstall(target.model)
-        lines.append(
-            f"| {shape} | end to end: logits | " + " | ".join(f"{e:.2f} / {x:.1e}" for e, x in logit_cells) + " |"
-        )
-        lines.append(
-            f"| {shape} | end to end: greedy answers identical | "
-            + " | ".join(f"{s}/{n}" for s, n in greedy_cells)
-            + " |"
-        )
-    return lines
+        cells = " | ".join(f"{e:.2f} / {x:.1e}" for e, x in logit_cells)
+        lines.append(f"| {label} | end to end: logits | {cells} |")
+        cells = " | ".join(f"{s}/{n}" for s, n in greedy_cells)
+        lines.append(f"| {label} | end to end: greedy answers identical | {cells} |")
+        print("\n".join(lines), flush=True)
+        lines = []
 
 
 # ------------------------------------------------------------------------------------------------------ the cost
+def _with_mode(target: TargetModel, rows: int | None, fn: Callable[[], object]) -> object:
+    """``fn()`` with the mode off (rows None) or installed with ``rows``."""
+    if rows is None:
+        return fn()
+    install(target.model, rows)
+    try:
+        return fn()
+    finally:
+        uninstall(target.model)
+
+
+@torch.inference_mode()
+def forward_times(
+    target: TargetModel, ids: list[int], settings: list[int | None], reps: int
+) -> dict[int | None, dict[str, float]]:
+    """Median seconds per setting of the batch-1 vanilla step ("vanilla": one token, no mask) and of a verify forward
+    over a chain of n tokens (str(n)), after ``ids``. Settings and sizes are interleaved in every repetition, so
+    machine noise hits them alike; the caches are cut back after each call."""
+    sizes = (1, K + 1, 8)
+    cache = DynamicCache()
+    target.model(input_ids=torch.tensor([ids[:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
+    state = DecodeState([ids], SamplingParams(), (), target.device)
+    prefill(target, state)
+    S = state.kv_valid.shape[1]
+    trees = {n: chain(torch.randint(0, target.vocab_size, (1, n))) for n in sizes}
+    x = torch.tensor([ids[-1:]])
+
+    def vanilla_step() -> None:
+        target.model(input_ids=x, cache=cache, use_cache=True)
+        cache.crop(-1)
+
+    def verify(n: int) -> None:
+        verify_tree(target, state, trees[n])
+        for layer in state.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :S], layer.values[:, :, :S]
+
+    calls = {"vanilla": vanilla_step, **{str(n): lambda n=n: verify(n) for n in sizes}}
+    times: dict[int | None, dict[str, list[float]]] = {r: {c: [] for c in calls} for r in settings}
+    for rep in range(reps + 1):  # the first round warms up
+        for rows in settings:
+            for name, call in calls.items():
+                seconds = _with_mode(target, rows, lambda call=call: _timed(call))
+                if rep:
+                    times[rows][name].append(seconds)
+    return {r: {c: statistics.median(t) for c, t in by.items()} for r, by in times.items()}
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def cost(
-    target: TargetModel, label: str, rows: int, prompts: list[list[int]], max_new_tokens: int, reps: int, context: int
+    target: TargetModel,
+    label: str,
+    settings: list[int | None],
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    reps: int,
+    context: int,
 ) -> list[str]:
-    """t(1) (the batch-1 vanilla step), t(n) of a verify forward over n tokens, and tokens/s of vanilla and of
-    chain-of-K prompt lookup, mode off then on, interleaved per prompt (cpu_linear installed in both, as in reports)."""
+    """Per setting (None = mode off, else the mode's block rows): `forward_times`, and tokens/s of vanilla and of
+    chain-of-K prompt lookup with the settings interleaved prompt by prompt (prefill included, as a user sees it).
+    cpu_linear's routing stays installed throughout, as in every report."""
     ids = (prompts[0] * (context // len(prompts[0]) + 1))[:context]
     params = SamplingParams(max_new_tokens=max_new_tokens)
+    steps = forward_times(target, ids, settings, reps)
+    stats: dict[int | None, tuple[list, list]] = {rows: ([], []) for rows in settings}
+    for p in prompts:
+        for rows in settings:
+            van, spec = _with_mode(
+                target,
+                rows,
+                lambda p=p: (
+                    generate_vanilla(target, [p], params).stats,
+                    generate_speculative(target, PromptLookupProposer(num_draft=K), [p], params).stats,
+                ),
+            )
+            stats[rows][0].append(van)
+            stats[rows][1].append(spec)
+
+    def rate(runs: list) -> float:
+        return sum(s.new_tokens for s in runs) / sum(s.total_s for s in runs)
+
     lines = []
-    for on in (False, True):
-        if on:
-            install(target.model, rows)
-        t1 = vanilla_step_cost(target.model, ids, reps)
-        tn = verify_costs(target, ids, (1, K + 1, 8), reps, aux=False)
-        van, spec, tau = [], [], []
-        for p in prompts:
-            van.append(generate_vanilla(target, [p], params).stats)
-            s = generate_speculative(target, PromptLookupProposer(num_draft=K), [p], params).stats
-            spec.append(s)
-            tau.append(s.tau)
-        if on:
-            uninstall(target.model)
-
-        def rate(stats: list) -> float:
-            return sum(s.new_tokens for s in stats) / sum(s.total_s for s in stats)
-
+    for rows in settings:
+        t, (van, spec) = steps[rows], stats[rows]
         lines.append(
-            f"| {label} | {'on' if on else 'off'} | {1e3 * t1:.2f} | "
-            + " | ".join(f"{1e3 * tn[n]:.2f}" for n in (1, K + 1, 8))
-            + f" | {rate(van):.1f} | {rate(spec):.1f} | {statistics.mean(tau):.2f} |"
+            f"| {label} | {'off' if rows is None else f'on, rows {rows}'} | "
+            + " | ".join(f"{1e3 * t[c]:.2f}" for c in ("vanilla", "1", str(K + 1), "8"))
+            + f" | {rate(van):.1f} | {rate(spec):.1f} | {statistics.mean(s.tau for s in spec):.2f} |"
         )
     return lines
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="tiny,medium", help=f"random Llamas, of {list(SIZES)}")
+    ap.add_argument("--sizes", default="tiny,medium", help=f"random Llamas, of {list(SIZES)} ('' for none)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rows", type=int, default=8, help="the mode's block row count")
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="tokens in the cache before the chain")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
     ap.add_argument("--cost", action="store_true", help="also time t(n) and tokens/s, mode off and on")
     ap.add_argument("--only-cost", action="store_true", help="skip the invariance table")
-    ap.add_argument("--target", default=None, help="time this target too (folder, hub id or reference short name)")
+    ap.add_argument("--target", default=None, help="a real target too (folder, hub id or reference short name)")
     ap.add_argument("--cost-context", type=int, default=200, help="tokens in the cache when timing t(n)")
+    ap.add_argument("--cost-rows", default="1,8", help="block row counts of the mode to time beside the mode off")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    sizes, dtypes = args.sizes.split(","), [DTYPES[d] for d in args.dtypes.split(",")]
+    sizes, dtypes = [s for s in args.sizes.split(",") if s], [DTYPES[d] for d in args.dtypes.split(",")]
     contexts = tuple(int(c) for c in args.contexts.split(","))
+    models = load_models(sizes, args.target)
     if not args.only_cost:
-        print("\n".join(table(sizes, dtypes, args.rows, contexts)))
+        table(models, dtypes, args.rows, contexts)
     if not (args.cost or args.only_cost):
         return
     lines = [
         "",
         f"Cost (ms per forward after {args.cost_context} tokens, medians of {args.reps}; tokens/s of {args.prompts} "
-        f"prompts × {args.max_new_tokens} tokens, chain-{K} prompt lookup; torch threads {torch.get_num_threads()}; "
-        f"mode rows={args.rows}).",
+        f"prompts × {args.max_new_tokens} tokens, chain-{K} prompt lookup; torch threads {torch.get_num_threads()}).",
         "",
         f"| model | mode | t(1) vanilla step | verify t(1) | t({K + 1}) | t(8) | vanilla tok/s | chain-{K} tok/s | τ |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    targets = [] if args.target is None else [(args.target, None)]
-    targets = [(s, random_llama(**SIZES[s])) for s in sizes if not args.target] + targets
-    for name, model in targets:
+    for name, build in models:
         for d in dtypes:
-            if model is None:
-                target = TargetModel.from_config(TargetConfig(name_or_path=name, dtype=str(d).removeprefix("torch.")))
-            else:
-                target = TargetModel(model.to(d))
+            target = TargetModel(build(d))
             prepare_target(target, log=lambda msg: None)
             prompts = repetitive_prompts(target.vocab_size, args.prompts, seed=1)
             lines += cost(
                 target,
                 f"{name} {str(d).removeprefix('torch.')}",
-                args.rows,
+                [None, *(int(r) for r in args.cost_rows.split(","))],
                 prompts,
                 args.max_new_tokens,
                 args.reps,

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -54,6 +55,29 @@ NAME = "drafters_shape_invariant"
 
 KEY_CHUNK = 64
 """Keys per reduction chunk: a multiple of 16, so the exp over a chunk never takes torch's scalar tail loop."""
+
+
+_last_slots: list = [None, None]
+"""The last mask seen and its `key_slots`: every layer of a forward gets the same mask object."""
+
+
+def key_slots(attention_mask: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_mask [B or 1, 1, n, S] additive (0 = may attend) -> (slots [B, n, W], seen [B, n, W]): the slots
+    each query row sees, in slot order, then slot 0 where ``seen`` is False; W = the most keys a row sees, rounded
+    up to a multiple of `KEY_CHUNK`. Cached for the mask object, which HF passes to every layer."""
+    if _last_slots[0] is attention_mask:
+        return _last_slots[1]
+    visible = attention_mask[:, 0] == 0
+    visible = visible.expand(batch, *visible.shape[1:])
+    B, n, S = visible.shape
+    count = visible.sum(-1)  # [B, n] >= 1: every row sees itself
+    width = KEY_CHUNK * -(-int(count.max()) // KEY_CHUNK)
+    rank = torch.where(visible, visible.cumsum(-1) - 1, width)  # a row's j-th visible slot goes to column j
+    slots = torch.zeros(B, n, width + 1, dtype=torch.long, device=visible.device)
+    slots.scatter_(-1, rank, torch.arange(S, device=visible.device).expand(B, n, S))
+    result = slots[..., :width], torch.arange(width, device=visible.device) < count[..., None]
+    _last_slots[:] = attention_mask, result
+    return result
 
 
 def invariant_attention(
@@ -69,43 +93,33 @@ def invariant_attention(
     """Attention in which a query row's result depends only on that row's query and the keys it may see.
 
     query [B, Hq, n, D]; key, value [B, Hkv, S, D] (Hq = g·Hkv, query head h reads key head h // g);
-    attention_mask [B, 1, n, S] additive, 0 where a query may attend. Returns ([B, n, Hq, D] in query's dtype, None).
+    attention_mask [B or 1, 1, n, S] additive, 0 where a query may attend. Returns ([B, n, Hq, D] in query's
+    dtype, None). Computed in fp32; the reductions over keys run in chunks of C = `KEY_CHUNK` keys.
     """
     B, Hq, n, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     g = Hq // Hkv
-    visible = (attention_mask[:, 0] == 0).expand(B, n, S)
-    count = visible.sum(-1)  # [B, n] keys each query may see (>= 1: itself)
-    chunks = -(-int(count.max()) // KEY_CHUNK)
-    width = chunks * KEY_CHUNK
-    # slots[b, i, :] = the slots row (b, i) sees, in slot order, then slot 0 (masked out below)
-    rank = torch.where(visible, visible.cumsum(-1) - 1, width)
-    slots = torch.zeros(B, n, width + 1, dtype=torch.long, device=key.device)
-    slots.scatter_(-1, rank, torch.arange(S, device=key.device).expand(B, n, S))
-    slots = slots[..., :width]
-    seen = torch.arange(width, device=key.device) < count[..., None]  # [B, n, W]
-
-    rows = torch.arange(B, device=key.device)[:, None, None]
+    slots, seen = key_slots(attention_mask, B)
+    chunks = slots.shape[-1] // KEY_CHUNK
+    # rows of kv viewed as [B·Hkv·S, D] that query row (b, i) of head h reads, in the order (b, h, i, key)
+    picked = (torch.arange(B * Hkv, device=key.device).view(B, Hkv, 1, 1) * S + slots[:, None]).flatten()
 
     def gather(kv: torch.Tensor) -> torch.Tensor:
-        """kv [B, Hkv, S, D] -> [B·n·Hkv·chunks, KEY_CHUNK, D] fp32, contiguous, each row's own keys."""
-        picked = kv.float().transpose(1, 2)[rows, slots]  # [B, n, W, Hkv, D]
-        picked = picked.view(B, n, chunks, KEY_CHUNK, Hkv, D).permute(0, 1, 4, 2, 3, 5)
-        return picked.reshape(-1, KEY_CHUNK, D).contiguous()  # one layout whatever the sizes
+        """kv [B, Hkv, S, D] -> [B·Hkv·n·chunks, C, D]: each query row's own keys, fp32, contiguous."""
+        return kv.float().reshape(-1, D).index_select(0, picked).view(-1, KEY_CHUNK, D)
 
-    q = query.float().view(B, Hkv, g, n, D).permute(0, 3, 1, 2, 4)  # [B, n, Hkv, g, D]
-    q = q[:, :, :, None].expand(B, n, Hkv, chunks, g, D).reshape(-1, g, D).contiguous()
-    scores = torch.bmm(q, gather(key).transpose(1, 2)).mul_(scaling)  # [B·n·Hkv·chunks, g, C]
-    scores = scores.view(B, n, Hkv, chunks, g, KEY_CHUNK)
-    scores.masked_fill_(~seen.view(B, n, 1, chunks, 1, KEY_CHUNK), float("-inf"))
+    q = query.float().view(B, Hkv, g, n, D).transpose(2, 3)[:, :, :, None]  # [B, Hkv, n, 1, g, D]
+    q = q.expand(B, Hkv, n, chunks, g, D).reshape(-1, g, D).contiguous()
+    scores = torch.bmm(q, gather(key).transpose(1, 2)).view(B, Hkv, n, chunks, g, KEY_CHUNK).mul_(scaling)
+    scores.masked_fill_(~seen.view(B, 1, n, chunks, 1, KEY_CHUNK), float("-inf"))
     top = scores.amax(dim=(3, 5), keepdim=True)  # a max is exact in any order
     p = (scores - top).exp_()  # masked keys: exactly 0
-    # per chunk: fixed-length sum and a fixed-shape matmul; across chunks: cumsum, a sequential scan (trailing
-    # chunks of a row that sees fewer keys add exact zeros)
-    total = p.sum(-1).cumsum(3)[:, :, :, -1]  # [B, n, Hkv, g]
-    out = torch.bmm(p.view(-1, g, KEY_CHUNK), gather(value)).view(B, n, Hkv, chunks, g, D)
-    out = out.cumsum(3)[:, :, :, -1] / total[..., None]  # [B, n, Hkv, g, D]
-    return out.reshape(B, n, Hq, D).to(query.dtype), None
+    # within a chunk: a sum of C terms and a matmul of fixed shape; across chunks: cumsum, a sequential scan, so the
+    # all-masked chunks past a row's keys add exact zeros
+    total = p.sum(-1).cumsum(3)[:, :, :, -1]  # [B, Hkv, n, g]
+    out = torch.bmm(p.view(-1, g, KEY_CHUNK), gather(value)).view(B, Hkv, n, chunks, g, D)
+    out = out.cumsum(3)[:, :, :, -1] / total[..., None]  # [B, Hkv, n, g, D]
+    return out.permute(0, 2, 1, 3, 4).reshape(B, n, Hq, D).to(query.dtype), None
 
 
 AttentionInterface.register(NAME, invariant_attention)
@@ -120,11 +134,8 @@ def blocked_linear(x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tens
         return forward(x)
     flat = x.reshape(-1, x.shape[-1])
     m = flat.shape[0]
-    outs = []
-    for start in range(0, m, rows):
-        block = flat.new_zeros(rows, flat.shape[1])
-        block[: min(rows, m - start)] = flat[start : start + rows]
-        outs.append(forward(block))
+    padded = F.pad(flat, (0, 0, 0, -m % rows))  # a new tensor even when nothing is padded
+    outs = [forward(padded[i : i + rows].clone() if m > rows else padded) for i in range(0, m, rows)]
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return y[:m].reshape(*x.shape[:-1], y.shape[-1])
 

@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from eval.measure import prepare_target
 from infer.generate import DecodeState, generate_speculative, generate_vanilla, prefill, verify_tree
 from infer.kernels import cpu_linear
-from infer.kernels.shape_invariant import blocked_linear, install, invariant_attention, uninstall
+from infer.kernels.shape_invariant import DEFAULT_ROWS, blocked_linear, install, invariant_attention, uninstall
 from infer.proposers import PromptLookupProposer
 from infer.sampling import SamplingParams
 from infer.tree import chain
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="tiny,medium", help=f"random Llamas, of {list(SIZES)} ('' for none)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--rows", type=int, default=8, help="the mode's block row count")
+    ap.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="the mode's block row count in the table")
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="tokens in the cache before the chain")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
     ap.add_argument("--cost", action="store_true", help="also time t(n) and tokens/s, mode off and on")

@@ -53,6 +53,11 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 NAME = "drafters_shape_invariant"
 """The attention implementation name the mode registers with transformers."""
 
+DEFAULT_ROWS = 1
+"""Rows per linear block. 1 computes every row exactly as the batch-1 vanilla loop does (one gemv each) and was the
+faster choice for SmolLM2 here (docs/decisions.md); a block of 8 pays where a forward is dispatch-bound (tiny
+models) or where several rows cost little more than one."""
+
 KEY_CHUNK = 64
 """Keys per reduction chunk: a multiple of 16, so the exp over a chunk never takes torch's scalar tail loop."""
 
@@ -96,6 +101,8 @@ def invariant_attention(
     attention_mask [B or 1, 1, n, S] additive, 0 where a query may attend. Returns ([B, n, Hq, D] in query's
     dtype, None). Computed in fp32; the reductions over keys run in chunks of C = `KEY_CHUNK` keys.
     """
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("the shape-invariant attention has no logit softcapping and no attention sinks")
     B, Hq, n, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     g = Hq // Hkv
@@ -146,7 +153,7 @@ def rows_of(model: PreTrainedModel) -> int | None:
     return None if state is None else state[0]
 
 
-def install(model: PreTrainedModel, rows: int = 8) -> None:
+def install(model: PreTrainedModel, rows: int = DEFAULT_ROWS) -> None:
     """Turn the mode on for every forward of ``model`` (an HF model using ``AttentionInterface``): linear layers in
     blocks of ``rows`` rows, `invariant_attention`. Install cpu_linear's routing (eval.measure.prepare_target)
     before, not after: the mode wraps each linear's forward as it finds it. `uninstall` restores both."""
@@ -176,8 +183,8 @@ def uninstall(model: PreTrainedModel) -> None:
 
 
 @contextmanager
-def shape_invariant(model: PreTrainedModel, rows: int = 8) -> Iterator[None]:
-    """``with shape_invariant(target.model, rows=8): ...`` runs the block with the mode installed."""
+def shape_invariant(model: PreTrainedModel, rows: int = DEFAULT_ROWS) -> Iterator[None]:
+    """``with shape_invariant(target.model): ...`` runs the block with the mode installed."""
     install(model, rows)
     try:
         yield

@@ -1,9 +1,9 @@
 """Is a row computed alone the same as that row computed among k + 1? Per component and end to end, fp32 and bf16,
 with the shape-invariant mode (infer/kernels/shape_invariant.py) off and on.
 
-    python -m eval.invariance                                   # tiny and medium random Llamas: the table
-    python -m eval.invariance --cost                            # + what the mode costs (t(n), tokens/s)
-    python -m eval.invariance --cost --only-cost --target smollm2-135m-instruct --dtypes float32
+    python -m eval.invariance                    # the table: tiny and medium random Llamas, fp32 and bf16
+    python -m eval.invariance --cost             # + what the mode costs: ms per forward, tokens/s
+    python -m eval.invariance --only-cost --threads 1 --sizes '' --target smollm2-135m-instruct --dtypes float32
 
 "Alone" is how vanilla decoding computes a token (one row per forward; for attention HF's batch-1 path: no mask,
 exactly the keys before it); "among" is row j of a verify forward over a chain of k + 1 tokens (4D additive mask
@@ -44,6 +44,7 @@ CONTEXTS = (20, 60, 120, 250)
 """Tokens in the cache before the chain (``--contexts``): bf16 sdpa rows differed at some lengths and not at others
 (medium model: 20, 60, 250 yes, 35, 120 no), so attention and logits cells pool several."""
 ROTARY_POSITION = 120
+"""First position of the rotary cell's chain."""
 
 SIZES = {"tiny": dict(vocab=97, layers=2, hidden=32), "medium": dict(vocab=4096, layers=4, hidden=256)}
 
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         f"Cost (ms per forward after {args.cost_context} tokens, medians of {args.reps}; tokens/s of {args.prompts} "
         f"prompts × {args.max_new_tokens} tokens, chain-{K} prompt lookup; torch threads {torch.get_num_threads()}).",
         "",
-        f"| model | mode | t(1) vanilla step | verify t(1) | t({K + 1}) | t(8) | vanilla tok/s | chain-{K} tok/s | τ |",
+        f"| model | mode | vanilla step | verify t(1) | t({K + 1}) | t(8) | vanilla tok/s | chain-{K} tok/s | τ |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, build in models:

@@ -1,41 +1,49 @@
 """Shape-invariant target forwards (opt-in): a row's logits do not depend on how many rows share its forward.
 
-At T = 0 speculative decoding is meant to emit vanilla's greedy tokens. It does so only up to rounding, because a token
-scored alone (vanilla, one row per forward) and the same token scored as row j of a k + 1 row verify forward go
-through kernels that sum in different orders. DESIGN.md §7: in bf16 on a CPU with fast bf16, 10-13 of 16 answers
-diverged at top-2 gaps of whole bf16 ulps. This mode removes that freedom, so greedy speculative output is
-bit-identical to greedy vanilla output run in the same mode, in any dtype.
+    with shape_invariant(target.model):          # or install(target.model, rows) ... uninstall(target.model)
+        reference = generate_vanilla(target, prompts, params)
+        result = generate_speculative(target, proposer, prompts, params)   # tokens and logits bitwise vanilla's
 
-What made rows shape-dependent on the CPU of this project (AMD EPYC, AVX2, MKL, torch 2.13; measured with
-``python -m eval.invariance``):
+At T = 0 speculative decoding emits vanilla's greedy tokens only up to rounding: a token scored alone (vanilla, one
+row per forward) and the same token scored as row j of a k + 1 row verify forward go through kernels that sum in
+different orders, and in bf16 that difference is whole ulps of the logits (DESIGN.md §7: 10-13 of 16 answers parted
+at top-2 gaps of 0-0.25 on a CPU with fast bf16). In this mode both runs compute every row with the same kernels and
+the same reduction order, so the outputs are bit-identical in any dtype; vanilla must run in the mode too (its
+numbers are the mode's, not the default path's).
 
-- fp32 linear layers: MKL computes one row (gemv), 2-3 rows and >= 4 rows with three different summation orders
-  (row results fall into exactly those three classes for every weight shape tried, 256-1024 inputs, 256-49,152
-  outputs). At a fixed row count, a row's result does not depend on its position or on the other rows.
-- attention: both HF paths (sdpa, eager) change a row's output with the number of query rows and the length of the
-  (partly masked) key axis, in fp32 (~3e-7) and in bf16 (whole ulps of the output in some rows).
-- not the rest here: bf16 linear layers (this CPU has no bf16 instructions; torch's fallback is one dot product per
-  output, already row-independent), RMSNorm, rotary embeddings and SiLU gave bitwise-equal rows (SiLU only because
-  the model widths are multiples of 16: a tensor whose size is not takes a scalar tail loop with another result).
+What made rows shape-dependent on this project's CPU (AMD EPYC, AVX2, MKL, torch 2.13, transformers 5.24; measured
+by ``python -m eval.invariance`` on random Llamas and SmolLM2, a row alone against row j of a 5-row chain):
 
-What the mode does (`install`, or the `shape_invariant` context manager):
+- fp32 linear layers: MKL computes 1 row (gemv), 2-3 rows and >= 4 rows in three different summation orders (every
+  weight shape tried, 256-1,536 inputs, 256-49,152 outputs; SmolLM2 rows differ by up to 2e-5). At a fixed row count
+  a row's result depends neither on its position nor on the other rows, and not on the thread count (1 vs 2).
+- fp32 attention (sdpa and eager, ~5e-7) and bf16 sdpa (5-20 % of rows differ, at some context lengths only).
+- not: bf16 linear layers and bf16 eager attention (no bf16 instructions here: torch's fallback computes one dot
+  product per output), RMSNorm, rotary embeddings, SiLU (SiLU only because model widths are multiples of 16: the
+  last < 16 elements of a tensor take a scalar loop with other results). So in bf16 *on this CPU*,
+  ``attn_implementation="eager"`` alone already gives bitwise-equal logits; CPUs with bf16 instructions (oneDNN,
+  AMX) and GPUs pick shape-dependent kernels, which this mode is for.
+
+What the mode does:
 
 1. Every ``nn.Linear`` inference call computes its rows in blocks of exactly ``rows`` rows (the last block
-   zero-padded, every block a fresh aligned copy), through the module's own forward. One row count means one kernel
-   and one layout for every call (also cpu_linear's routed layout when that was installed first), and a row's result
-   depends only on that row, whether it is alone, one of k + 1 tree nodes, one of a batch, or a prompt token.
+   zero-padded, each a fresh copy), through the module's own forward: one row count means one kernel and one layout
+   (also cpu_linear's routed layout, when that was installed first), so a row's result is the same whether it is
+   alone, one of k + 1 tree nodes, a batch row or a prompt token (prefill is blocked too).
 2. Attention runs `invariant_attention`: each query row gathers exactly the keys its mask opens, in slot order, and
-   reduces over them in fixed chunks of `KEY_CHUNK` keys, in fp32: fixed-shape matmuls for scores and values (batched
-   matmuls with fixed matrix shapes measured independent of the batch count here), an exact max, and a sequential sum
-   across chunks, where the chunks past a row's keys add exact zeros. Neither the other queries nor the masked
-   columns of a longer cache change a row's reduction.
+   reduces over them in fp32 in chunks of `KEY_CHUNK` keys: fixed-shape batched matmuls (measured independent of the
+   batch count here), an exact max, and a sequential sum across chunks, to which the chunks past a row's keys add
+   exact zeros. Neither the other queries nor the masked columns of a longer cache touch a row's reduction.
 
-It costs a forward of ``rows`` rows for every call of fewer, a gather of each query's keys, and fp32 attention
-(numbers in docs/decisions.md). Limits: the row independence at a fixed row count and the batch-count independence
-of fixed-shape matmuls are measured facts about this CPU's kernels, not guarantees of torch; other CPUs' bf16 kernels
-(oneDNN / AMX) and GPUs are not tested here — run ``python -m eval.invariance`` and tests/test_shape_invariant.py
-there. Models whose attention is not HF's ``AttentionInterface`` functional form, or that add position biases to the
-mask, are outside the mode (the mask is read as visible / not visible).
+Cost (docs/decisions.md, measured on a shared machine): with the default ``rows = 1`` SmolLM2 fp32's vanilla step
+cost 1.04-1.26x, a 5-token verify 1.26-1.40x and chain-4 prompt lookup ran at 0.60-0.73x its tokens/s without the
+mode; a block of 8 rows is cheaper per verify but doubles the vanilla step there, and pays on small models.
+
+Limits: row independence at a fixed row count and batch-count independence of fixed-shape matmuls are measured
+properties of this CPU's kernels, not promises of torch (tests/test_shape_invariant.py checks them end to end; run it
+and ``python -m eval.invariance`` on another machine before relying on the mode there); GPUs and bf16 kernels with
+native instructions are untested. The mask is read as visible / not visible: position biases, logit softcapping and
+attention sinks are outside the mode, as are models whose attention is not HF's ``AttentionInterface`` functional form.
 """
 
 from __future__ import annotations

@@ -339,7 +339,8 @@ def generate_speculative(
     """Draft → verify the whole tree in one target forward → accept → keep the accepted path.
 
     Lossless with ``spec.accept == "auto"``: token-identical to vanilla at T = 0 (up to numerical
-    ties) and distributed exactly as the target's warped distribution at T > 0.
+    ties) and distributed exactly as the target's warped distribution at T > 0. When both run under
+    ``infer.kernels.shape_invariant`` (opt-in), the logits too are bitwise vanilla's, so ties cannot part them.
     """
     spec = spec or SpecConfig()
     stats = GenerationStats()

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.kernels.shape_invariant import rows_of
+
 BUCKETS = (1, 2, 4, 8, 16)
 """Row counts timed; a call with m rows uses the choice of the smallest bucket >= m (more rows: F.linear)."""
 
@@ -138,6 +140,8 @@ def install(model: nn.Module, log=print) -> dict[tuple[int, int], tuple[str, ...
     call's choices without timing again."""
     if getattr(model, "_drafters_cpu_linear", None) is not None:
         return model._drafters_cpu_linear
+    if rows_of(model) is not None:  # routing now would replace the mode's blocked forwards
+        raise RuntimeError("install cpu_linear before the shape-invariant mode, which wraps the forwards it finds")
     choices: dict[tuple[int, int], tuple[str, ...]] = {}
     for module in model.modules():
         if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
@@ -164,6 +168,8 @@ def install(model: nn.Module, log=print) -> dict[tuple[int, int], tuple[str, ...
 
 def uninstall(model: nn.Module) -> None:
     """Back to plain F.linear everywhere (undoes `install`)."""
+    if rows_of(model) is not None:
+        raise RuntimeError("uninstall the shape-invariant mode first: it wraps the routed forwards")
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.__dict__.pop("forward", None)

@@ -39,15 +39,13 @@ def _automatic(args: list[str]) -> list[str]:
 
 
 @pytest.mark.integration
-def test_eagle3_recipe_where_the_automatic_choice_is_bf16(tiny_recipe, tmp_path, monkeypatch, capsys):
+def test_eagle3_recipe_where_the_automatic_choice_is_bf16(tiny_recipe, tmp_path, monkeypatch):
     """The whole EAGLE-3 recipe as a user with fast bf16 runs it: bf16 target and autocast, and a report whose T = 0
     rows carry the dtype-aware certificate: nothing unexplained, fp32 identity 1.0."""
-    import train.eagle3 as recipe
-
-    monkeypatch.setenv(CPU_BF16_ENV, "fast")
+    monkeypatch.setenv(CPU_BF16_ENV, "fast")  # a fresh process: accelerate's state is per process
     out = tmp_path / "bf16"
-    recipe.main(_automatic(recipe_args(tiny_recipe, out, "train.max_steps=2")))
-    assert "precision bf16" in capsys.readouterr().out
+    printed = run_to_end("eagle3.py", _automatic(recipe_args(tiny_recipe, out, "train.max_steps=2")))
+    assert "precision bf16" in printed
     rows = json.loads((out / "report.json").read_text())["results"]
     assert rows and all(r["dtype"] == "bfloat16" for r in rows)
     greedy = [r for r in rows if r["temperature"] == 0.0]

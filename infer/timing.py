@@ -17,7 +17,10 @@ def synchronize(device: torch.device | str | None) -> None:
     """Wait until ``device`` has finished every queued kernel (nothing to wait for on the CPU)."""
     if device is None:
         return
-    kind = torch.device(device).type
+    # the decode loop reads the clock several times a step: no torch.device construction for the usual argument
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind == "cpu":
+        return
     if kind == "cuda":
         torch.cuda.synchronize(device)
     elif kind == "xpu":

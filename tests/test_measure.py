@@ -76,8 +76,11 @@ def test_an_empty_prompt_set_is_a_clear_error(tiny_target):
         measure(tiny_target, [], [], (2,))
 
 
-def test_precision_choice_for_each_kind_of_cpu():
+def test_precision_choice_for_each_kind_of_cpu(monkeypatch):
     """bf16 only where the CPU has native bf16 AND the timing shows it faster; never on a CPU without it."""
+    from models.target import CPU_BF16_ENV
+
+    monkeypatch.delenv(CPU_BF16_ENV, raising=False)  # the simulated flags decide, not a forced choice
     never = lambda dtype: pytest.fail("no timing without bf16 instructions")  # noqa: E731
     assert not cpu_bf16_is_fast("fpu avx2 fma", timer=never)
     fast = {torch.bfloat16: 0.001, torch.float32: 0.002}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from eval.measure import Candidate, MeasuredPrompt, measure, stop_ids, write_report
+from eval.measure import Candidate, MeasuredPrompt, measure, quiet_routing, serving_targets, stop_ids, write_report
 from eval.prompts import CATEGORIES, builtin_prompts, chat_ids
 from infer.proposers import DraftModelProposer, PromptLookupProposer
 from infer.tree_search import DynamicTreeConfig
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", default="1,4")
     ap.add_argument("--out", type=Path, default=Path("outputs") / "bench_runtime")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
+    ap.add_argument("--dtype", default="fastest", help="target dtype (fastest: the precision policy's serving choice)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -41,7 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     tokenizer = load_tokenizer(args.target)
-    target = TargetModel.from_config(TargetConfig(name_or_path=args.target, dtype="float32", device="cpu"))
+    target = TargetModel.from_config(
+        TargetConfig(name_or_path=args.target, dtype=args.dtype, device="cpu"), "serve", prepare=quiet_routing
+    )
+    target, vanilla_target = serving_targets(target)
     prompts = [
         MeasuredPrompt(chat_ids(tokenizer, [{"role": "user", "content": p.turns[0]}]), p.category)
         for c in args.categories.split(",")
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     hf_assisted = {"HF prompt lookup (10)": dict(prompt_lookup_num_tokens=10, max_matching_ngram_size=2)}
     if args.draft:
-        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=target.dtype).eval()
         tree = DynamicTreeConfig(top_k=3, depth=4, total_tokens=8)
         candidates += [
             Candidate("draft model", "chain 3", lambda: DraftModelProposer(draft, k=3)),
@@ -68,8 +72,12 @@ def main(argv: list[str] | None = None) -> None:
         max_new_tokens=args.max_new_tokens,
         batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
         hf_assisted=hf_assisted,
+        vanilla_target=vanilla_target,
     )
-    write_report(args.out, "runtime benchmark", args.target, rows, prompt_set=f"built-in {args.categories}")
+    prompt_set = f"built-in {args.categories}"
+    write_report(
+        args.out, "runtime benchmark", args.target, rows, prompt_set=prompt_set, precision=target.precision.as_dict()
+    )
     print(f"wrote {args.out / 'report.md'} and {args.out / 'report.json'}")
 
 

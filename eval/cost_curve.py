@@ -29,7 +29,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from eval.measure import prepare_target
+from eval.measure import prepare_target, quiet_routing
 from eval.stdlib_corpus import heldout_prompts
 from infer.generate import DecodeState, generate_speculative, prefill, verify_tree
 from infer.proposer import Proposer, TargetSignal
@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="outputs/cost_curve", help="folder for cost_curve.json / cost_curve.md")
+    ap.add_argument("--dtype", default="fastest", help="target dtype (fastest: the precision policy's serving choice)")
     args = ap.parse_args(argv)
 
     tokenizer = load_tokenizer(args.target)
@@ -374,11 +375,14 @@ def main(argv: list[str] | None = None) -> None:
         from models.eagle3 import read_checkpoint_config
 
         aux = read_checkpoint_config(args.drafter)[1].aux_layer_ids
-    target = TargetModel.from_config(TargetConfig(name_or_path=args.target, dtype="float32", aux_layer_ids=aux))
+    target = TargetModel.from_config(
+        TargetConfig(name_or_path=args.target, dtype=args.dtype, aux_layer_ids=aux), "serve", prepare=quiet_routing
+    )
+    print(target.precision.line())
     # every model is loaded and checked against the target before any timing (a mismatch fails in seconds)
     draft = None
     if args.draft:
-        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=target.dtype).eval()
         if draft.get_output_embeddings().weight.shape[0] != target.vocab_size:
             raise SystemExit(
                 f"--draft {args.draft} has a vocabulary of {draft.get_output_embeddings().weight.shape[0]} tokens, "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import json
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from infer.proposer import Proposer
 from infer.proposers import PromptLookupProposer
 from infer.sampling import SamplingParams
 from infer.timing import clock
+from models.precision import choose, machine
 from models.target import TargetModel
 
 
@@ -131,13 +131,47 @@ class _Tally:
         return out
 
 
-def fp32_copy(target: TargetModel, log: Callable[[str], None] = print) -> TargetModel:
-    """The same target in fp32 (for the certificate pass), with its own kernel routing (`prepare_target`)."""
+def dtype_copy(target: TargetModel, dtype: torch.dtype, log: Callable[[str], None] = print) -> TargetModel:
+    """The same target in ``dtype`` (the fp32 certificate pass, vanilla in its fastest dtype), with its own kernel
+    routing (`prepare_target`)."""
     replica = copy.deepcopy(target)
     uninstall_cpu_linear(replica.model)  # routes were chosen (or skipped) for the served dtype
-    replica = replica.to(torch.float32)
+    replica = replica.to(dtype)
     prepare_target(replica, log)
     return replica
+
+
+def fp32_copy(target: TargetModel, log: Callable[[str], None] = print) -> TargetModel:
+    """The same target in fp32, for the certificate pass."""
+    return dtype_copy(target, torch.float32, log)
+
+
+def quiet_routing(model: torch.nn.Module) -> None:
+    """The CPU kernel routing, silently: what the precision policy's probes must be timed with (``prepare``)."""
+    install_cpu_linear(model, lambda msg: None)
+
+
+def serving_targets(
+    target: TargetModel, acceptance: list[float] | None = None, log: Callable[[str], None] = print
+) -> tuple[TargetModel, TargetModel | None]:
+    """(the target to speculate with, vanilla's target in its fastest dtype or None when that is the same dtype).
+
+    The serving choice of the precision policy (`models.precision.choose`, cached per machine) says which dtype
+    speculation pays most in and which dtype vanilla is fastest in. A target whose dtype the policy chose for another
+    workload (a training run's target) is converted to the serving dtype; one the user chose keeps it. Either way the
+    baseline is vanilla in its own fastest dtype (DESIGN.md §4: the strongest vanilla)."""
+    serve = choose("serve", target.config, target.device.type, acceptance=acceptance, prepare=quiet_routing)
+    if target.precision.source != "user" and str(target.dtype).removeprefix("torch.") != serve.dtype:
+        log(f"serving in {serve.dtype} (the policy chose {target.precision.dtype} for {target.precision.workload})")
+        target = dtype_copy(target, getattr(torch, serve.dtype), log)
+    if target.precision.source != "user":
+        target.precision = serve
+    log(target.precision.line())
+    served = str(target.dtype).removeprefix("torch.")
+    if serve.vanilla_dtype is None or serve.vanilla_dtype == served:
+        return target, None
+    log(f"vanilla is fastest in {serve.vanilla_dtype} here: the baseline also runs there ({serve.reason})")
+    return target, dtype_copy(target, getattr(torch, serve.vanilla_dtype), log)
 
 
 def identity(
@@ -217,9 +251,16 @@ def measure(
     include_prompt_lookup: bool = True,
     hf_assisted: dict[str, dict] | None = None,
     fp32_certificate: bool = True,
+    vanilla_target: TargetModel | None = None,
+    drafter_dtype: str | None = None,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
     """Run vanilla, HF generate (bs 1) and every candidate on the same prompts; return result rows.
+
+    ``vanilla_target``: the target in the dtype vanilla is fastest in, when that is not the served one
+    (`serving_targets`): vanilla and HF generate run on both, greedy identity is judged against the served dtype's
+    vanilla, and speedup is over the fastest of the four. ``drafter_dtype``: what the rows say the drafters ran in
+    (default the served dtype).
 
     ``hf_assisted``: name → extra ``generate`` kwargs (e.g. ``prompt_lookup_num_tokens``, ``assistant_model``),
     timed at bs 1 beside the rest (HF reports no τ, so those rows have ``tau`` None). ``fp32_certificate``: where
@@ -227,6 +268,9 @@ def measure(
     if not prompts:
         raise ValueError("no prompts to measure: the prompt set is empty")
     prepare_target(target, log)
+    if vanilla_target is not None:
+        prepare_target(vanilla_target, log)
+        generate_vanilla(vanilla_target, [prompts[0].ids], SamplingParams(max_new_tokens=4))
     if include_prompt_lookup:
         candidates = [Candidate("prompt lookup", "chain 10", lambda: PromptLookupProposer(num_draft=10))] + candidates
     for c in candidates:  # one-off costs (allocator, first kernels) outside the timed region
@@ -236,8 +280,10 @@ def measure(
     step_s = (clock(target.device) - t) / 8
     hf_assisted = hf_assisted or {}
     served = str(target.dtype).removeprefix("torch.")
+    machine_words = machine(device=target.device.type).words()
     certify_fp32 = fp32_certificate and 0.0 in temperatures and target.dtype != torch.float32
     calls = len(temperatures) * sum(2 + len(candidates) + len(hf_assisted) for _ in batch_sizes)
+    calls += 2 * len(temperatures) * len(batch_sizes) if vanilla_target is not None else 0
     calls += (1 + len(candidates)) * len(batch_sizes) if certify_fp32 else 0
     log(
         f"measure: {len(prompts)} prompts x {calls} generate calls of up to {max_new_tokens} tokens, target in "
@@ -251,7 +297,7 @@ def measure(
     for temp in temperatures:
         for bs in batch_sizes:
             batches = batches_of(prompts, bs)
-            van, hf = _Tally(), _Tally()
+            van, hf, van_other, hf_other = _Tally(), _Tally(), _Tally(), _Tally()
             acc = {c.key: _Tally() for c in candidates}
             assisted = {name: _Tally() for name in hf_assisted} if bs == 1 else {}
             for bi, batch in enumerate(batches):
@@ -260,9 +306,15 @@ def measure(
                 params = _greedy_params(temp, max_new_tokens, bi)
                 ref = generate_vanilla(target, ids, params, eos_ids)
                 van.add(cat, sum(map(len, ref.tokens)), ref.stats.total_s, ref.stats)
+                if vanilla_target is not None:
+                    other = generate_vanilla(vanilla_target, ids, params, eos_ids)
+                    van_other.add(cat, sum(map(len, other.tokens)), other.stats.total_s, other.stats)
                 if bs == 1:
                     toks, s = hf_generate(target.model, ids[0], params, eos_ids)
                     hf.add(cat, len(toks), s, None)
+                    if vanilla_target is not None:
+                        toks, s = hf_generate(vanilla_target.model, ids[0], params, eos_ids)
+                        hf_other.add(cat, len(toks), s, None)
                     for name, kw in hf_assisted.items():
                         toks, s = hf_generate(target.model, ids[0], params, eos_ids, **kw)
                         same, div = identity(certifier, ids, ref.tokens, [toks], where) if params.greedy else (0, [])
@@ -276,7 +328,13 @@ def measure(
                 v, h = van.merged(cat), hf.merged(cat)
                 vanilla_tps = v["tokens"] / v["s"]
                 hf_tps = h["tokens"] / h["s"] if h["s"] else None
-                base = max(vanilla_tps, hf_tps or 0.0)
+                baselines = {served: max(vanilla_tps, hf_tps or 0.0)}
+                if vanilla_target is not None:
+                    vo, ho = van_other.merged(cat), hf_other.merged(cat)
+                    other_tps = max(vo["tokens"] / vo["s"], ho["tokens"] / ho["s"] if ho["s"] else 0.0)
+                    baselines[str(vanilla_target.dtype).removeprefix("torch.")] = other_tps
+                vanilla_dtype = max(baselines, key=baselines.get)
+                base = baselines[vanilla_dtype]
                 n_prompts = sum(len(b) for b in batches if cat in ("all", b[0].category))
                 # one vanilla step (a target forward over one token per row), the t_target(1) of DESIGN.md §4
                 vanilla_rounds = max(1, sum(s.rounds for s in v["stats"]))
@@ -286,6 +344,10 @@ def measure(
                     "temperature": temp,
                     "batch_size": bs,
                     "dtype": served,
+                    "drafter_dtype": drafter_dtype or served,
+                    "vanilla_dtype": vanilla_dtype,
+                    "vanilla_tokens_per_s_by_dtype": baselines,
+                    "machine": machine_words,
                     "vanilla_new_tokens": v["tokens"],
                     "vanilla_tokens_per_s": base,
                     "our_vanilla_tokens_per_s": vanilla_tps,
@@ -433,38 +495,46 @@ def write_report(
     prompt_set: str = "",
     notes: str = "",
     checks: dict | None = None,
+    precision: dict | None = None,
 ) -> None:
-    """``report.json`` (schema above; ``checks`` such as the vanilla check go in as they are) and ``report.md``."""
+    """``report.json`` (schema above; ``checks`` such as the vanilla check go in as they are; ``precision``: the
+    serving choice's `PrecisionChoice.as_dict`) and ``report.md``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    device = rows[0]["machine"] if rows else ""
+    where = machine(device="cuda" if torch.cuda.is_available() and "cuda" in device.lower() else "cpu").as_dict()
     report = {
         "method": method,
         "target": target_name,
         "prompt_set": prompt_set,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": machine_description(),
+        "machine": where,
+        "precision": precision,
         **(checks or {}),
         "results": rows,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    dtypes = sorted({r["dtype"] for r in rows})
     lines = [
         f"# {method} report",
         "",
-        f"Target: `{target_name}`, served in {', '.join(dtypes)}. Prompts: {prompt_set}. Machine: "
-        f"{report['machine']}. {notes}".strip(),
+        f"Target: `{target_name}`. Prompts: {prompt_set}. Machine: {where['words']}.",
         "",
-        "| category | proposer | setting | T | bs | τ | speedup | predicted | tokens/s | vanilla tokens/s | α | "
-        "greedy identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        precision_words(rows, precision),
+        "",
+        notes,
+        "",
+        "| category | proposer | setting | T | bs | dtype | τ | speedup | predicted | tokens/s | vanilla tokens/s "
+        "(dtype) | α | greedy identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         tau = "–" if r["tau"] is None else f"{r['tau']:.2f}"
         pred = "–" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x"
         lines.append(
             f"| {r['category']} | {r['proposer']}{' (lossy)' if r['lossy'] else ''} | {r['setting']} | "
-            f"{r['temperature']} | {r['batch_size']} | {tau} | {r['speedup']:.2f}x | {pred} | {r['tokens_per_s']:.1f} | "
-            f"{r['vanilla_tokens_per_s']:.1f} | {' '.join(f'{a:.2f}' for a in r['alpha'][:8])} | {evidence_words(r)} |"
+            f"{r['temperature']} | {r['batch_size']} | {_short(r['dtype'])} | {tau} | {r['speedup']:.2f}x | {pred} | "
+            f"{r['tokens_per_s']:.1f} | {r['vanilla_tokens_per_s']:.1f} ({_short(r['vanilla_dtype'])}) | "
+            f"{' '.join(f'{a:.2f}' for a in r['alpha'][:8])} | {evidence_words(r)} |"
         )
     lines += [
         "",
@@ -483,15 +553,19 @@ def write_report(
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
-def machine_description() -> str:
-    """CPU model (or GPU name), torch version and threads: what a reader needs to place the numbers."""
-    if torch.cuda.is_available():
-        device = torch.cuda.get_device_name(0)
-    else:
-        device = platform.processor() or platform.machine()
-        try:
-            names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
-            device = names[0] if names else device
-        except OSError:
-            pass
-    return f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+def _short(dtype: str) -> str:
+    return DTYPE_SHORT.get(dtype, dtype)
+
+
+def precision_words(rows: list[dict], precision: dict | None) -> str:
+    """The report's precision sentence: the dtypes of target, drafters and the vanilla baseline, and why."""
+    served = sorted({_short(r["dtype"]) for r in rows})
+    drafters = sorted({_short(r["drafter_dtype"]) for r in rows})
+    vanilla = sorted({_short(r["vanilla_dtype"]) for r in rows})
+    words = f"**Precision**: target served in {', '.join(served)}, drafters in {', '.join(drafters)}; the vanilla "
+    words += f"baseline (the fastest of our loop and HF generate) ran in {', '.join(vanilla)}"
+    if vanilla != served:
+        words += " (speculation runs in another dtype than the fastest vanilla: identity is judged in the served dtype)"
+    if precision:
+        words += f". Chosen by {precision['source']}: {precision['reason']}"
+    return words + "."

@@ -35,7 +35,16 @@ from eval.cost_curve import (
     tree_name,
     vanilla_check,
 )
-from eval.measure import Candidate, MeasuredPrompt, measure, prepare_target, stop_ids, write_report
+from eval.measure import (
+    Candidate,
+    MeasuredPrompt,
+    measure,
+    prepare_target,
+    quiet_routing,
+    serving_targets,
+    stop_ids,
+    write_report,
+)
 from eval.prompts import CATEGORIES, builtin_prompts, encode_turns, load_prompt_file
 from infer.family import ChainSizer, family_of, load_drafter
 from infer.generate import generate_vanilla
@@ -225,7 +234,8 @@ def baseline_draft_model(cfg: ReportConfig, target: TargetModel | None, log: Cal
     if cfg.draft_model != "cut" and (Path(cfg.draft_model) / "config.json").exists():
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=torch.float32), "distilled"
+        dtype = target.dtype if target is not None else torch.float32  # drafters run in the served dtype
+        return AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=dtype), "distilled"
     if target is None:
         raise ValueError("the undistilled draft-model cut needs the target")
     layers = min(cfg.draft_model_layers, target.num_layers - 1)
@@ -252,10 +262,12 @@ def run_report(
     ``out_dir``; returns the result rows. ``eval_set``: tokenised samples (``input_ids``, ``loss_mask``) for
     ``prompt_source=eval_data``. ``drafter_dir``: the drafter's checkpoint folder (default ``out_dir``), whose
     held-out acceptance anchors the chain sizing."""
+    method = family_of(drafter).method  # before any compute: an undeclared drafter class fails here
+    prior, _ = heldout_acceptance(drafter_dir or out_dir)
+    target, vanilla_target = serving_targets(target, prior, log)
     prompts, prompt_set = report_prompts(cfg, tokenizer, target, eval_set)
     if not prompts:
         raise ValueError(f"report: the prompt set ({prompt_set}) gave no prompts")
-    method = family_of(drafter).method  # before any compute: an undeclared drafter class fails here
     drafters = [drafter.to(target.device).eval()]
     drafters += [load_drafter(path, target, tokenizer).eval() for path in cfg.compare]
     folders = [drafter_dir or out_dir, *cfg.compare, None]  # the last sizes the draft model: no checkpoint prior
@@ -292,6 +304,8 @@ def run_report(
         max_new_tokens=cfg.max_new_tokens,
         batch_sizes=tuple(cfg.batch_sizes),
         fp32_certificate=cfg.fp32_certificate,
+        vanilla_target=vanilla_target,
+        drafter_dtype=_dtype_of(drafters[0]),
         log=log,
     )
     checks = {}
@@ -302,10 +316,23 @@ def run_report(
         checks["vanilla_check"] = vanilla_check(target, prompts[0].ids, first)
         log(f"vanilla check: {checks['vanilla_check']['summary']}")
     write_report(
-        out_dir, method, str(target.name_or_path), rows, prompt_set=prompt_set, notes=notes.strip(), checks=checks
+        out_dir,
+        method,
+        str(target.name_or_path),
+        rows,
+        prompt_set=prompt_set,
+        notes=notes.strip(),
+        checks=checks,
+        precision=target.precision.as_dict(),
     )
     log(f"report written to {out_dir}/report.md")
     return rows
+
+
+def _dtype_of(module: torch.nn.Module) -> str:
+    """The dtype of a drafter's weights (the first floating-point parameter)."""
+    first = next((p for p in module.parameters() if p.is_floating_point()), None)
+    return "float32" if first is None else str(first.dtype).removeprefix("torch.")
 
 
 def _sized_tree(target, drafters, cfg: ReportConfig, ids, eos, log) -> ReportConfig:
@@ -423,11 +450,12 @@ def report_main(
     if drafter_dir is None:
         raise SystemExit("report mode needs --drafter DIR (or --config with train.output_dir / report.drafter_dir)")
     _, info = read_checkpoint(drafter_dir)
-    target_cfg = cfg.target or TargetConfig(name_or_path=info.target_name)
+    target_cfg = cfg.target or TargetConfig(name_or_path=info.target_name)  # dtype "fastest": the policy's
     if target_cfg.aux_layer_ids is None and info.aux_layer_ids:
         target_cfg.aux_layer_ids = info.aux_layer_ids
     tokenizer = load_tokenizer(target_cfg.name_or_path)
-    target = load_target(drafter_dir, target_cfg)  # with the changes of a jointly trained target applied
+    # with the changes of a jointly trained target applied; dtype chosen for serving, with the drafter's acceptance
+    target = load_target(drafter_dir, target_cfg, prepare=quiet_routing, acceptance=info.heldout_acceptance or None)
     drafter = load_drafter(drafter_dir, target, tokenizer)
     rc = cfg.report
     wants_samples = recipe and eval_set is not None and rc.prompt_source == "eval_data" and not rc.prompts_path

@@ -19,17 +19,21 @@ def checkpoint_method(path: str | Path) -> str:
     return read_checkpoint(path)[1].method
 
 
-def load_target(path: str | Path, cfg: TargetConfig) -> TargetModel:
+def load_target(path: str | Path, cfg: TargetConfig, workload: str = "serve", **policy) -> TargetModel:
     """The target a drafter checkpoint runs on: ``cfg`` as given, with the joint-training changes the checkpoint
-    carries applied (a full target replaces the weights; a LoRA adapter is merged, so decoding pays nothing for it)."""
+    carries applied (a full target replaces the weights; a LoRA adapter is merged, so decoding pays nothing for it).
+    ``workload`` and ``policy`` (prepare, acceptance) go to `TargetModel.from_config`'s precision choice."""
     info = read_checkpoint(path)[1]
     changed = Path(path) / TARGET_DIR
     if info.target_weights == "full":
-        return TargetModel.from_config(dataclasses.replace(cfg, name_or_path=str(changed), mode="frozen", lora_rank=0))
-    target = TargetModel.from_config(dataclasses.replace(cfg, mode="frozen", lora_rank=0))
+        full = dataclasses.replace(cfg, name_or_path=str(changed), mode="frozen", lora_rank=0)
+        return TargetModel.from_config(full, workload, **policy)
+    target = TargetModel.from_config(dataclasses.replace(cfg, mode="frozen", lora_rank=0), workload, **policy)
     if info.target_weights == "lora":
         from peft import PeftModel  # only joint checkpoints pay peft's import time
 
         merged = PeftModel.from_pretrained(target.hf_model, str(changed)).merge_and_unload()
+        chosen = target.precision
         target = TargetModel(merged, aux_layer_ids=target.aux_layer_ids, name_or_path=cfg.name_or_path)
+        target.precision = chosen
     return target

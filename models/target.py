@@ -22,16 +22,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.cache_utils import Cache
 
+from models.precision import PrecisionChoice, choose, user_choice
 from models.reference import resolve_target
 
 # Written into drafter checkpoints beside the ids so a reader never has to guess the ±1 convention.
@@ -42,58 +48,13 @@ DTYPES: dict[str, torch.dtype | str] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "auto": "auto",  # whatever the checkpoint's config says (HF `dtype="auto"`)
-    "fastest": "fastest",  # bf16 on CUDA and on CPUs where bf16 measures faster, else float32 (cpu_bf16_is_fast)
+    "fastest": "fastest",  # the precision policy's choice for the workload (models/precision.py)
 }
-CPU_BF16_ENV = "DRAFTERS_CPU_BF16"
-"""Environment variable that overrides `cpu_bf16_is_fast`'s measurement ("fast" / "slow")."""
 DEVICES = ("cpu", "cuda", "auto")
 MODES = ("frozen", "joint")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 # Attention and MLP projections of Llama / Qwen2 / Qwen3 / Mistral decoder layers.
 DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-# --------------------------------------------------------------------------------------------------
-# Precision
-# --------------------------------------------------------------------------------------------------
-
-
-def cpu_bf16_is_fast(cpu_flags: str | None = None, timer=None) -> bool:
-    """Whether bf16 matmuls beat fp32 on this CPU, by measurement (DESIGN.md §7: never assume).
-
-    CPUs without native bf16 instructions (no ``avx512_bf16`` / ``amx_bf16`` in /proc/cpuinfo) emulate it ~100x
-    slower, so they are ruled out without timing. Otherwise a 512² matmul is timed in both dtypes (~10 ms) and bf16
-    must be at least 1.25x faster. ``cpu_flags`` and ``timer(dtype) -> seconds`` replace the machine in tests.
-
-    ``$DRAFTERS_CPU_BF16`` = "fast" / "slow" replaces the measurement: the suite sets "fast" to run every automatic
-    bf16 path (target dtype, autocast, engines, report) on a CPU that would not take it, so a developer without fast
-    bf16 sees what a user with it sees (tiny models keep that cheap even where bf16 is ~100x slower).
-    """
-    forced = os.environ.get(CPU_BF16_ENV, "").strip().lower()
-    if forced in ("fast", "slow"):
-        return forced == "fast"
-    if forced:
-        raise ValueError(f"${CPU_BF16_ENV} must be 'fast', 'slow' or unset (measure), got {forced!r}")
-    if cpu_flags is None:
-        try:
-            cpu_flags = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    if "avx512_bf16" not in cpu_flags and "amx_bf16" not in cpu_flags:
-        return False
-    timer = timer or _matmul_seconds
-    return timer(torch.bfloat16) * 1.25 <= timer(torch.float32)
-
-
-def _matmul_seconds(dtype: torch.dtype, n: int = 512, reps: int = 5) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b  # first call: one-off kernel selection
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 # --------------------------------------------------------------------------------------------------
@@ -164,9 +125,10 @@ class TargetConfig:
     """Local directory, hub id, or the short name of a reference target (`models.reference`, e.g.
     "smollm2-135m-instruct", built into a cache folder on first use)."""
 
-    dtype: str = "auto"
-    """Weight dtype: "float32", "bfloat16", "float16", "auto" (the dtype recorded in the checkpoint), or "fastest"
-    (bf16 on CUDA and on CPUs where a bf16 matmul measures faster than fp32 at start-up, else float32)."""
+    dtype: str = "fastest"
+    """Weight dtype: "fastest" (the precision policy's choice for the work this entry point does, measured once per
+    machine: models/precision.py), "float32", "bfloat16", "float16" (the user's choice, reported as such), or "auto"
+    (the dtype recorded in the checkpoint)."""
 
     device: str = "auto"
     """"cpu", "cuda", or "auto" (cuda when available, else cpu)."""
@@ -313,6 +275,9 @@ class TargetModel(nn.Module):
 
         self.mode = mode
         self.lora_rank = lora_rank
+        self.precision: PrecisionChoice = user_choice(
+            "serve", str(model.dtype).removeprefix("torch."), "the model given"
+        )
         self.name_or_path = name_or_path or model.config.name_or_path
         self._aux_layer_ids = list(aux_layer_ids)
 
@@ -336,24 +301,42 @@ class TargetModel(nn.Module):
         self.train(mode == "joint")
 
     @classmethod
-    def from_config(cls, cfg: TargetConfig) -> TargetModel:
-        """Load `cfg.name_or_path` with `AutoModelForCausalLM` and wrap it."""
+    def from_config(
+        cls,
+        cfg: TargetConfig,
+        workload: str = "serve",
+        prepare: Callable[[nn.Module], object] | None = None,
+        acceptance: Sequence[float] | None = None,
+    ) -> TargetModel:
+        """Load `cfg.name_or_path` with `AutoModelForCausalLM` and wrap it. ``dtype="fastest"`` asks the precision
+        policy for ``workload`` ("serve", "distill", "train"; ``prepare`` and ``acceptance`` as in
+        `models.precision.choose`); the choice, with where it came from, is kept as ``.precision``."""
         device = cfg.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("TargetConfig.device='cuda' but CUDA is not available on this machine")
+        path = resolve_target(cfg.name_or_path)
         dtype = DTYPES[cfg.dtype]
         if dtype == "fastest":
-            dtype = torch.bfloat16 if device == "cuda" or cpu_bf16_is_fast() else torch.float32
+            config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+            choice = choose(workload, config, device, acceptance=acceptance, prepare=prepare)
+            dtype = getattr(torch, choice.dtype)
+        elif dtype == "auto":
+            choice = None
+        else:
+            choice = user_choice(workload, cfg.dtype, f"target.dtype={cfg.dtype}")
         model = AutoModelForCausalLM.from_pretrained(
-            resolve_target(cfg.name_or_path),
+            path,
             dtype=dtype,
             trust_remote_code=cfg.trust_remote_code,
             attn_implementation=cfg.attn_implementation,
         )
         model.to(device)
-        return cls(
+        if choice is None:
+            loaded = str(model.dtype).removeprefix("torch.")
+            choice = user_choice(workload, loaded, "target.dtype=auto (the dtype recorded in the checkpoint)")
+        target = cls(
             model,
             mode=cfg.mode,
             aux_layer_ids=cfg.aux_layer_ids,
@@ -363,6 +346,8 @@ class TargetModel(nn.Module):
             lora_target_modules=cfg.lora_target_modules,
             name_or_path=cfg.name_or_path,
         )
+        target.precision = choice
+        return target
 
     def train(self, mode: bool = True) -> TargetModel:
         super().train(mode)

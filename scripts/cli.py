@@ -7,6 +7,7 @@ drafters bench [args of eval.bench_runtime]              # runtime benchmark of 
 drafters build-data [args of train.chat_data]            # self-synthesised, self-distilled chat data (resumable)
 drafters regenerate [args of scripts/regenerate.py]      # self-distillation of an existing chat dataset
 drafters estimate --target CONFIG --recipe YAML [...]    # memory / cache size / tokens per GPU-hour, before a run
+drafters precision [TARGET] [--refresh]                  # the dtype this machine serves, distils and trains in, and why
 """
 
 from __future__ import annotations
@@ -63,26 +64,39 @@ def quickstart(argv: list[str]) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--train-samples", type=int, default=64, help="conversations of the short training run")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "quickstart")
+    ap.add_argument(
+        "--dtype",
+        default="fastest",
+        choices=["fastest", "float32", "bfloat16"],
+        help="the target's dtype: fastest = the precision policy's serving choice for this machine",
+    )
     args = ap.parse_args(argv)
 
     import torch
 
-    from eval.measure import Candidate, MeasuredPrompt, measure, stop_ids, write_report
+    from eval.measure import Candidate, MeasuredPrompt, measure, quiet_routing, serving_targets, stop_ids, write_report
     from eval.prompts import builtin_prompts, chat_ids
     from infer.eagle3_proposer import Eagle3Proposer
     from infer.generate import generate_vanilla
     from infer.proposers import DraftModelProposer
     from infer.sampling import SamplingParams
+    from models.checkpoint import read_checkpoint
     from models.eagle3 import Eagle3Drafter
     from models.target import TargetConfig, TargetModel, load_tokenizer
 
     t0 = time.time()
     name = "smollm2-135m-instruct"
     tokenizer = load_tokenizer(name)
-    target = TargetModel.from_config(TargetConfig(name_or_path=name, dtype="float32", device="cpu"))
+    # the precision policy's serving choice (models/precision.py; measured once per machine, then cached), sized
+    # with the shipped drafter's held-out acceptance; --dtype makes it the user's choice
+    shipped_acceptance = read_checkpoint(SHIPPED_DRAFTER)[1].heldout_acceptance if SHIPPED_DRAFTER.exists() else None
+    cfg = TargetConfig(name_or_path=name, dtype=args.dtype, device="cpu")
+    target = TargetModel.from_config(cfg, "serve", prepare=quiet_routing, acceptance=shipped_acceptance or None)
+    target, vanilla_target = serving_targets(target, shipped_acceptance or None, lambda m: None)
+    print(target.precision.line())
     eos = stop_ids(tokenizer, target.model)
     n_params = sum(p.numel() for p in target.model.parameters()) / 1e6
-    print(f"target {name}: {n_params:.1f} M parameters, loaded in {time.time() - t0:.0f} s")
+    print(f"target {name}: {n_params:.1f} M parameters in {target.precision.dtype}, loaded in {time.time() - t0:.0f} s")
     prompts = builtin_prompts("chat", args.prompts)
     first = chat_ids(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
     out = generate_vanilla(target, [first], SamplingParams(max_new_tokens=args.max_new_tokens), eos)
@@ -122,27 +136,59 @@ def quickstart(argv: list[str]) -> None:
     if DRAFT_MODEL.exists():  # built by recipes/smollm2-135m/draft_model.yaml (distilled, ~5 min)
         from transformers import AutoModelForCausalLM
 
-        draft, how = AutoModelForCausalLM.from_pretrained(DRAFT_MODEL, dtype=torch.float32).eval(), "distilled"
+        draft, how = AutoModelForCausalLM.from_pretrained(DRAFT_MODEL, dtype=target.dtype).eval(), "distilled"
     else:  # the same cut without its distillation: instant, and still a real small model on the tokenizer
         from models.draft_model import cut_target
 
         draft, how = cut_target(target, 2).eval(), "not distilled"
     candidates.append(Candidate(f"draft model (2 layers, {how})", "chain 1", lambda: DraftModelProposer(draft, k=1)))
     measured = [MeasuredPrompt(chat_ids(tokenizer, [{"role": "user", "content": p.turns[0]}]), "chat") for p in prompts]
-    rows = measure(target, candidates, measured, eos, max_new_tokens=args.max_new_tokens)
-    write_report(args.out, "quickstart", name, rows, prompt_set=f"built-in chat ({len(measured)})")
-    print(f"\n{'method':<34}{'tau':>6}{'tokens/s':>10}{'speedup':>9}  greedy identical")
-    base = rows[0]["vanilla_tokens_per_s"]
-    print(f"{'vanilla (faster of ours / HF)':<34}{1.0:>6.2f}{base:>10.1f}{1.0:>8.2f}x  –")
+    rows = measure(target, candidates, measured, eos, max_new_tokens=args.max_new_tokens, vanilla_target=vanilla_target)
+    prompt_set = f"built-in chat ({len(measured)})"
+    write_report(args.out, "quickstart", name, rows, prompt_set=prompt_set, precision=target.precision.as_dict())
+    print(f"\n{'method':<34}{'dtype':>7}{'tau':>6}{'tokens/s':>10}{'speedup':>9}  greedy identical")
+    base, short = rows[0]["vanilla_tokens_per_s"], {"float32": "fp32", "bfloat16": "bf16"}
+    vanilla = short.get(rows[0]["vanilla_dtype"], rows[0]["vanilla_dtype"])
+    print(f"{'vanilla (faster of ours / HF)':<34}{vanilla:>7}{1.0:>6.2f}{base:>10.1f}{1.0:>8.2f}x  –")
     for r in rows:
-        label = f"{r['proposer']} ({r['setting']})"
+        label, dtype = f"{r['proposer']} ({r['setting']})", short.get(r["dtype"], r["dtype"])
         print(
-            f"{label:<34}{r['tau']:>6.2f}{r['tokens_per_s']:>10.1f}{r['speedup']:>8.2f}x  {r['greedy_identical']:.2f}"
+            f"{label:<34}{dtype:>7}{r['tau']:>6.2f}{r['tokens_per_s']:>10.1f}{r['speedup']:>8.2f}x  "
+            f"{r['greedy_identical']:.2f}"
         )
     print(
         f"\n{len(measured)} held-out chat prompts, T=0, answers stop at EOS (cap {args.max_new_tokens}); "
         f"report in {args.out}; {(time.time() - t0) / 60:.1f} min in all; torch threads {torch.get_num_threads()}"
     )
+
+
+def precision(argv: list[str]) -> None:
+    """The precision policy's choice for each workload on this machine, with the measurements behind it."""
+    ap = argparse.ArgumentParser(prog="drafters precision")
+    ap.add_argument("target", nargs="?", default="smollm2-135m-instruct", help="short name, folder or hub id")
+    ap.add_argument("--refresh", action="store_true", help="measure again (drop this machine's cached curves)")
+    ap.add_argument("--json", type=Path, help="also write the choices here")
+    args = ap.parse_args(argv)
+
+    import json
+
+    import torch
+    from transformers import AutoConfig
+
+    from eval.measure import quiet_routing
+    from models.precision import WORKLOADS, choose, machine
+    from models.reference import resolve_target
+
+    config = AutoConfig.from_pretrained(resolve_target(args.target))
+    print(f"machine: {machine().words()}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    choices = {}
+    for workload in WORKLOADS:
+        choice = choose(workload, config, device, prepare=quiet_routing, refresh=args.refresh)
+        choices[workload] = choice.as_dict()
+        print(choice.line())
+    if args.json:
+        args.json.write_text(json.dumps({"target": args.target, "choices": choices}, indent=2) + "\n")
 
 
 def _run_script(path: Path, argv: list[str]) -> None:
@@ -172,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         "build-data": lambda a: _run_module("train.chat_data", a),
         "regenerate": lambda a: _run_script(ROOT / "scripts" / "regenerate.py", a),
         "estimate": lambda a: _run_script(ROOT / "scripts" / "estimate.py", a),
+        "precision": precision,
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)

@@ -34,18 +34,29 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--limit", type=int, help="regenerate only the first N rows")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument(
+        "--dtype",
+        default="fastest",
+        choices=["fastest", "float32", "bfloat16", "float16"],
+        help="fastest: the precision policy's choice for batched decoding (models/precision.py)",
+    )
     args = ap.parse_args(argv)
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    from models.precision import choose, user_choice
     from models.reference import resolve_target
 
     path = resolve_target(args.target)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device)
+    if args.dtype == "fastest":
+        choice = choose("distill", AutoConfig.from_pretrained(path), device)
+    else:
+        choice = user_choice("distill", args.dtype, f"--dtype {args.dtype}")
+    print(choice.line())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, choice.dtype)).to(device)
     cfg = DataConfig(path=args.data, split=args.split, format=args.format, max_length=args.max_length)
     counts = regenerate_dataset(
         model,

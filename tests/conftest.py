@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # 2-core machines: one intra-op thread per test process keeps timings stable and avoids oversubscription
 torch.set_num_threads(int(os.environ.get("DRAFTERS_TEST_THREADS", "2")))
+# the precision policy's measurements of tiny test models stay out of the user's cache (subprocesses inherit it)
+os.environ.setdefault("DRAFTERS_PRECISION_CACHE", tempfile.mkdtemp(prefix="drafters-precision-"))
 
 REFERENCE_NAME = "smollm2-135m-instruct"
 

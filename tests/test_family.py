@@ -154,7 +154,17 @@ def test_a_fourth_family_declared_in_a_test_is_loaded_and_reported_like_the_ship
     assert echo["alpha"] == [1.0, 1.0, 1.0] and echo["greedy_identical"] == 1.0
     assert echo["new_tokens"] == echo["vanilla_new_tokens"] == sum(lengths)
     assert echo["tau"] == pytest.approx(sum(lengths) / sum(-(-n // 4) for n in lengths))
-    assert "| toy-echo | chain 3 |" in (tmp_path / "report" / "report.md").read_text()
+    assert "| toy-echo | chain 3 | 0.0 | 1 | fp32 |" in (tmp_path / "report" / "report.md").read_text()
+    # every row and the report say what precision and machine the numbers come from (issue 23)
+    for r in rows:
+        assert (
+            r["dtype"] == r["drafter_dtype"] == "float32" and r["vanilla_dtype"] in r["vanilla_tokens_per_s_by_dtype"]
+        )
+        assert r["machine"] == report["machine"]["words"]
+    assert set(report["machine"]) >= {"name", "flags", "threads", "torch", "kind", "words"}
+    assert report["precision"]["dtype"] == "float32" and report["precision"]["source"] == "user"
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "**Precision**: target served in fp32, drafters in fp32" in md and report["machine"]["words"] in md
 
 
 def test_an_unregistered_method_fails_at_load_time_naming_the_known_ones(registry, tiny_target, tmp_path):

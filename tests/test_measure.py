@@ -1,5 +1,5 @@
-"""The one timing loop (eval/measure.py): stops at EOS, counts, the greedy certificate, clear errors; the precision
-choice; the CLI's checkout warning."""
+"""The one timing loop (eval/measure.py): stops at EOS, counts, the greedy certificate, clear errors; the CLI's
+checkout warning (the precision choice: tests/test_precision.py)."""
 
 import pytest
 import torch
@@ -8,8 +8,6 @@ from eval.measure import Candidate, MeasuredPrompt, hf_generate, measure, write_
 from infer.generate import generate_vanilla
 from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
-from models.target import cpu_bf16_is_fast
-from train.optim import mixed_precision
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 3, 17, 23]]
 
@@ -71,24 +69,26 @@ def test_rows_per_category_and_the_greedy_certificate(tiny_target, tiny_draft, m
     assert b["divergences"] == [] and not total["lossy"]
 
 
+def test_vanilla_in_its_fastest_dtype_is_the_baseline_when_serving_in_another(tiny_target, tmp_path):
+    """Speculation served in fp32 with vanilla also timed on a bf16 copy: the speedup is over the faster of the two,
+    greedy identity is judged against the served dtype's vanilla, and the rows say which dtype the baseline ran in."""
+    from eval.measure import dtype_copy
+
+    other = dtype_copy(tiny_target, torch.bfloat16, lambda m: None)
+    cands = [Candidate("self-draft", "chain 2", lambda: DraftModelProposer(tiny_target.model, k=2))]
+    rows = measure(tiny_target, cands, [MeasuredPrompt(PROMPTS[1])], (), max_new_tokens=12, vanilla_target=other)
+    for r in rows:
+        by = r["vanilla_tokens_per_s_by_dtype"]
+        assert set(by) == {"float32", "bfloat16"} and r["vanilla_tokens_per_s"] == max(by.values())
+        assert r["vanilla_dtype"] == max(by, key=by.get) and r["dtype"] == "float32"
+        assert r["greedy_identical"] == 1.0  # against fp32 vanilla, the served dtype
+    write_report(tmp_path, "test", "tiny", rows)
+    assert "vanilla baseline (the fastest of our loop and HF generate) ran in" in (tmp_path / "report.md").read_text()
+
+
 def test_an_empty_prompt_set_is_a_clear_error(tiny_target):
     with pytest.raises(ValueError, match="prompt set is empty"):
         measure(tiny_target, [], [], (2,))
-
-
-def test_precision_choice_for_each_kind_of_cpu(monkeypatch):
-    """bf16 only where the CPU has native bf16 AND the timing shows it faster; never on a CPU without it."""
-    from models.target import CPU_BF16_ENV
-
-    monkeypatch.delenv(CPU_BF16_ENV, raising=False)  # the simulated flags decide, not a forced choice
-    never = lambda dtype: pytest.fail("no timing without bf16 instructions")  # noqa: E731
-    assert not cpu_bf16_is_fast("fpu avx2 fma", timer=never)
-    fast = {torch.bfloat16: 0.001, torch.float32: 0.002}
-    slow = {torch.bfloat16: 0.2, torch.float32: 0.002}
-    assert cpu_bf16_is_fast("avx512f amx_bf16 amx_tile", timer=fast.get)
-    assert cpu_bf16_is_fast("avx512_bf16", timer=fast.get)
-    assert not cpu_bf16_is_fast("amx_bf16", timer=slow.get)
-    assert mixed_precision("fp32") == "no" and mixed_precision("bf16") == "bf16"
 
 
 def test_cli_warns_when_run_from_another_checkout(tmp_path):
@@ -116,18 +116,6 @@ def test_chain_length_from_the_cost_curve():
     k, rates = best_chain_length([0.5, 0.4, 0.3, 0.3], 0.002, curve)
     assert k == 1 and rates[1] == pytest.approx(1.5 / 0.062)
     assert best_chain_length([0.95, 0.95, 0.95, 0.95], 0.002, curve)[0] == 4
-
-
-def test_target_dtype_fastest_follows_the_measurement(tmp_path, monkeypatch):
-    import models.target
-    from models.target import TargetConfig, TargetModel
-    from tests.conftest import tiny_llama
-
-    tiny_llama().save_pretrained(tmp_path)
-    for fast, want in ((False, torch.float32), (True, torch.bfloat16)):
-        monkeypatch.setattr(models.target, "cpu_bf16_is_fast", lambda fast=fast: fast)
-        target = TargetModel.from_config(TargetConfig(name_or_path=str(tmp_path), dtype="fastest", device="cpu"))
-        assert target.dtype == want
 
 
 def test_pilot_acceptance_is_shrunk_toward_the_checkpoints_heldout_acceptance():

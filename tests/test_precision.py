@@ -1,33 +1,192 @@
-"""The automatic precision choices, and the bf16 paths they lead to, on every machine.
+"""The precision policy (models/precision.py) on the three kinds of CPU this project has met, and the bf16 paths it
+leads to, on every machine.
 
-A CPU with fast bf16 (avx512_bf16 / AMX) makes ``target.dtype: fastest`` and ``train.mixed_precision: auto`` pick
-bf16; one without picks fp32. ``$DRAFTERS_CPU_BF16=fast`` forces the first answer, so these tests run the bf16 target,
-bf16 autocast, an engine under bf16 and the report's certificate in bf16 wherever the suite runs (tiny models keep it
-cheap where bf16 is slow). Tests that compare numbers pin fp32 instead (tests/conftest.py `tiny_run_args`)."""
+The three kinds are simulated by their /proc/cpuinfo and a timer of the workload, so every branch runs wherever the
+suite does: no native bf16 (bf16 emulated, ~100x slower: never timed), AVX-512-BF16 without AMX, and AMX (the Xeon of
+issue 23, whose SmolLM2 curves are used below). ``$DRAFTERS_CPU_BF16=fast`` forces the automatic answer, so the
+integration tests run the bf16 target, bf16 autocast, an engine under bf16 and the report's certificate in bf16
+wherever the suite runs (tiny models keep that cheap where bf16 is slow). Tests that compare numbers pin fp32
+instead (tests/conftest.py `tiny_run_args`)."""
 
 import json
 
 import pytest
 import torch
 
-from models.target import CPU_BF16_ENV, TargetConfig, TargetModel, cpu_bf16_is_fast
+from models.precision import (
+    CPU_BF16_ENV,
+    PROBE_LAYERS,
+    choose,
+    cpu_bf16_is_fast,
+    decide,
+    machine,
+    serving_choice,
+)
+from models.target import TargetConfig, TargetModel
 from tests.conftest import recipe_args, run_to_end, tiny_llama
 from tests.test_mtp_train import mtp_args
 from train.optim import mixed_precision
 
+EPYC = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx avx2 fma\n"
+AVX512_BF16 = "model name\t: AMD EPYC 9R14\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
+AMX = "model name\t: Intel(R) Xeon(R) Platinum 8488C\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+
+# SmolLM2-135M-Instruct on the AMX Xeon (issue 23: plain HF forward after a 200-token prefix, median of 12), ms
+AMX_CURVES = {
+    "float32": {1: 44.3, 2: 45.5, 4: 65.4, 8: 76.3, 16: 85.1},
+    "bfloat16": {1: 41.7, 2: 44.4, 4: 43.8, 8: 46.3, 16: 50.2},
+}
+
+
+def _interpolated(curves):
+    """A timer(workload, dtype, rows) over measured points, linear in between (the serve rows 3, 5, 6, 7)."""
+
+    def timer(workload, dtype, rows):
+        c = curves[dtype]
+        lo = max(m for m in c if m <= rows)
+        hi = min(m for m in c if m >= rows)
+        return c[lo] if lo == hi else c[lo] + (c[hi] - c[lo]) * (rows - lo) / (hi - lo)
+
+    return timer
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    monkeypatch.delenv(CPU_BF16_ENV, raising=False)  # the simulated machine decides, not a forced answer
+
+
+def test_the_machine_is_read_from_cpuinfo():
+    for text, kind in ((EPYC, "no native bf16"), (AVX512_BF16, "avx512_bf16"), (AMX, "amx")):
+        m = machine(text)
+        assert m.kind == kind and m.native_bf16 == (kind != "no native bf16")
+    amx = machine(AMX).as_dict()
+    assert amx["name"] == "Intel(R) Xeon(R) Platinum 8488C" and amx["flags"] == [
+        "avx2",
+        "avx512f",
+        "avx512_bf16",
+        "amx_bf16",
+        "amx_tile",
+    ]
+    assert amx["threads"] == torch.get_num_threads() and amx["torch"] == torch.__version__
+    assert "no native bf16" in machine(EPYC).words() and "avx2" in machine(EPYC).words()
+
+
+def test_without_native_bf16_only_fp32_is_timed_and_chosen(measured):
+    def timer(workload, dtype, rows):
+        assert dtype == "float32", "bf16 is emulated here: timing it would take minutes and decide nothing"
+        return 40.0 + rows
+
+    for workload in ("serve", "distill", "train"):
+        c = choose(workload, timer=timer, cpuinfo=EPYC)
+        assert c.dtype == "float32" and c.source == "flags" and "emulated" in c.reason
+        assert list(c.curves) == ["float32"]
+    assert choose("serve", timer=timer, cpuinfo=EPYC).vanilla_dtype == "float32"
+
+
+def test_on_amx_serving_picks_bf16_from_the_verify_sizes_not_one_matmul(measured):
+    """Issue 23's Xeon: one token costs the same in both dtypes, verifying 8 costs 1.7 steps in fp32 and 1.1 in
+    bf16: speculation pays most in bf16, and bf16 is also vanilla's fastest dtype there."""
+    c = choose("serve", timer=_interpolated(AMX_CURVES), cpuinfo=AMX)
+    assert (c.dtype, c.vanilla_dtype, c.source) == ("bfloat16", "bfloat16", "measured")
+    assert "t(8) 46.3" in c.reason and c.machine["kind"] == "amx"
+    # with fp32's curve as flat as bf16's, the tie goes to fp32 (exact arithmetic, one dtype for both)
+    flat = {"float32": AMX_CURVES["bfloat16"], "bfloat16": {m: t * 0.99 for m, t in AMX_CURVES["bfloat16"].items()}}
+    assert choose("serve", timer=_interpolated(flat), cpuinfo=AMX).dtype == "float32"
+
+
+def test_serving_may_speculate_in_another_dtype_than_the_fastest_vanilla(measured):
+    """AVX-512-BF16 without AMX: fp32's routed one-row kernel is the fastest vanilla step, but bf16 verifies
+    8 tokens for little more than one: speculation runs in bf16, the baseline stays fp32."""
+    curves = {
+        "float32": {1: 31.0, 2: 45.0, 4: 62.0, 8: 80.0, 16: 110.0},
+        "bfloat16": {1: 38.0, 2: 39.0, 4: 40.0, 8: 43.0, 16: 52.0},
+    }
+    c = choose("serve", timer=_interpolated(curves), cpuinfo=AVX512_BF16)
+    assert (c.dtype, c.vanilla_dtype) == ("bfloat16", "float32") and "the baseline runs there" in c.reason
+    dtype, vanilla, speedup, k = serving_choice(
+        {d: {m: _interpolated(curves)("serve", d, m) for m in range(1, 17)} for d in curves}
+    )
+    assert dtype == "bfloat16" and vanilla == "float32" and k >= 3 and speedup > 1.0
+    # nothing pays (a steep curve and poor acceptance): serve in vanilla's dtype, no chain
+    steep = {"float32": {m: 30.0 * m for m in range(1, 9)}}
+    assert serving_choice(steep, [0.1] * 7) == ("float32", "float32", 1.0, 0)
+
+
+def test_distillation_and_training_take_the_faster_dtype_and_ties_go_to_fp32(measured):
+    fast_bf16 = {"float32": 300.0, "bfloat16": 120.0}
+    for workload in ("distill", "train"):
+        c = choose(workload, timer=lambda w, d, m: fast_bf16[d], cpuinfo=AMX)
+        assert c.dtype == "bfloat16" and c.vanilla_dtype is None
+        slow_bf16 = choose(workload, timer=lambda w, d, m: {"float32": 100.0, "bfloat16": 400.0}[d], cpuinfo=AMX)
+        assert slow_bf16.dtype == "float32"
+        tie = choose(workload, timer=lambda w, d, m: {"float32": 100.0, "bfloat16": 98.0}[d], cpuinfo=AVX512_BF16)
+        assert tie.dtype == "float32"
+    assert decide("train", {"float32": {0: 100.0}, "bfloat16": {0: 50.0}})[0] == "bfloat16"
+
 
 def test_the_environment_forces_the_choice_and_refuses_nonsense(monkeypatch, tmp_path):
-    never = lambda dtype: pytest.fail("a forced choice measures nothing")  # noqa: E731
+    never = lambda *a: pytest.fail("a forced choice measures nothing")  # noqa: E731
     tiny_llama().save_pretrained(tmp_path)
     cfg = TargetConfig(name_or_path=str(tmp_path), dtype="fastest", device="cpu")
     for value, bf16 in (("fast", True), ("slow", False), ("FAST", True)):
         monkeypatch.setenv(CPU_BF16_ENV, value)
         assert cpu_bf16_is_fast("fpu avx2", timer=never) is bf16
-        assert mixed_precision("auto") == ("bf16" if bf16 else "no") or torch.cuda.is_available()
-        assert TargetModel.from_config(cfg).dtype == (torch.bfloat16 if bf16 else torch.float32)
+        assert choose("serve", timer=never, cpuinfo=EPYC).source == "forced"
+        assert mixed_precision("auto")[0] == ("bf16" if bf16 else "no") or torch.cuda.is_available()
+        target = TargetModel.from_config(cfg)
+        assert target.dtype == (torch.bfloat16 if bf16 else torch.float32) and target.precision.source == "forced"
     monkeypatch.setenv(CPU_BF16_ENV, "yes")
     with pytest.raises(ValueError, match="DRAFTERS_CPU_BF16 must be 'fast', 'slow'"):
         cpu_bf16_is_fast()
+
+
+def test_the_quick_matmul_test_needs_native_bf16_and_a_faster_timing(measured):
+    never = lambda dtype: pytest.fail("no timing without bf16 instructions")  # noqa: E731
+    assert not cpu_bf16_is_fast("fpu avx2 fma", timer=never)
+    fast = {torch.bfloat16: 0.001, torch.float32: 0.002}
+    slow = {torch.bfloat16: 0.2, torch.float32: 0.002}
+    assert cpu_bf16_is_fast("avx512f amx_bf16 amx_tile", timer=fast.get)
+    assert cpu_bf16_is_fast("avx512_bf16", timer=fast.get)
+    assert not cpu_bf16_is_fast("amx_bf16", timer=slow.get)
+
+
+def test_a_real_measurement_is_cached_per_machine_and_target(measured, tmp_path):
+    """The probe of a tiny Llama's shapes is timed once; the second ask reads the cache, --refresh measures again;
+    a lock left by a process that died does not block the next one for ever."""
+    import models.precision as precision
+
+    config = tiny_llama(layers=PROBE_LAYERS + 2).config
+    first = choose("serve", config, cache_dir=tmp_path)
+    assert first.source in ("measured", "flags") and set(first.curves["float32"]) == set(precision.SERVE_ROWS)
+    assert all(ms > 0 for ms in first.curves["float32"].values())
+    again = choose("serve", config, cache_dir=tmp_path)
+    assert again.source == "cached" and again.curves == first.curves
+    other = tiny_llama(layers=3).config  # another target shape: its own entry
+    assert choose("serve", other, cache_dir=tmp_path).source != "cached"
+    assert choose("serve", config, cache_dir=tmp_path, refresh=True).source != "cached"
+    for path in tmp_path.glob("serve-*.json"):
+        path.unlink()
+    lock = next(iter(tmp_path.glob("*.lock")), None)
+    assert lock is None  # the measuring process removes its lock
+    stale = precision._cache_path("distill", config, machine(), tmp_path).with_suffix(".lock")
+    stale.touch()
+    old, precision.LOCK_WAIT_S = precision.LOCK_WAIT_S, 0.2
+    try:
+        assert choose("distill", config, cache_dir=tmp_path).source != "cached"
+    finally:
+        precision.LOCK_WAIT_S = old
+    assert not stale.exists()
+
+
+def test_an_explicit_dtype_is_the_users_choice_and_says_so(tmp_path, measured):
+    tiny_llama().save_pretrained(tmp_path)
+    target = TargetModel.from_config(TargetConfig(name_or_path=str(tmp_path), dtype="float32", device="cpu"))
+    assert target.precision.source == "user" and "target.dtype=float32" in target.precision.line()
+    auto = TargetModel.from_config(TargetConfig(name_or_path=str(tmp_path), dtype="fastest", device="cpu"))
+    assert auto.precision.source in ("measured", "cached", "flags") and auto.precision.workload == "serve"
+    assert mixed_precision("fp32")[1].source == "user" and mixed_precision("bf16")[0] == "bf16"
+    trained = mixed_precision("auto", TargetConfig(name_or_path=str(tmp_path), device="cpu"))[1]
+    assert trained.workload == "train" and trained.source in ("measured", "cached", "flags")
 
 
 def _automatic(args: list[str]) -> list[str]:
@@ -68,5 +227,5 @@ def test_an_engine_under_bf16_autocast(tiny_recipe, tmp_path, monkeypatch):
     losses = [r["loss"] for r in log if "loss" in r]
     assert losses and all(torch.isfinite(torch.tensor(x)) for x in losses)
     target = TargetModel.from_config(TargetConfig(name_or_path=str(tiny_recipe / "target"), dtype="fastest"))
-    assert target.dtype == torch.bfloat16
+    assert target.dtype == torch.bfloat16 and target.precision.source == "forced"
     MTPDrafter.from_pretrained(out, target)

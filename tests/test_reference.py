@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import re
 import sys
 
 import pytest
@@ -182,5 +183,31 @@ def test_quickstart_look_without_training(tmp_path, capsys):
     main(["quickstart", "--skip-training", "--prompts", "1", "--max-new-tokens", "16", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert "--- greedy answer ---" in printed and "prompt lookup (chain 10)" in printed
-    rows = json.loads((tmp_path / "report.json").read_text())["results"]
+    report = json.loads((tmp_path / "report.json").read_text())
+    rows = report["results"]
     assert rows and all(r["greedy_identical"] == 1.0 and r["new_tokens"] <= 16 for r in rows)
+    # the policy chose the dtype, said so in one line, and every table row names it
+    chosen = report["precision"]["dtype"]
+    assert f"precision (serve): {chosen}, " in printed and all(r["dtype"] == chosen for r in rows)
+    short = {"float32": "fp32", "bfloat16": "bf16"}[chosen]
+    assert re.search(rf"prompt lookup \(chain 10\) +{short} ", printed)
+
+
+@pytest.mark.integration
+def test_the_precision_policy_chooses_on_the_real_target(tmp_path):
+    """`drafters precision` times SmolLM2's own layer shapes for serving, distillation and training on this machine:
+    every choice names its measurement, and a CPU without native bf16 is never timed in bf16 (it would take minutes)."""
+    from models.precision import WORKLOADS, machine
+    from scripts.cli import main
+
+    main(["precision", REFERENCE_NAME, "--refresh", "--json", str(tmp_path / "p.json")])
+    choices = json.loads((tmp_path / "p.json").read_text())["choices"]
+    assert set(choices) == set(WORKLOADS)
+    native = machine().native_bf16
+    for c in choices.values():
+        assert c["source"] == ("measured" if native else "flags") and c["machine"]["kind"] == machine().kind
+        assert set(c["curves"]) == ({"float32", "bfloat16"} if native else {"float32"})
+        assert all(ms > 0 for curve in c["curves"].values() for ms in curve.values())
+        assert native or c["dtype"] == "float32"
+    serve = choices["serve"]
+    assert serve["vanilla_dtype"] in serve["curves"] and "t(1)" in serve["reason"]

@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--target", default="smollm2-135m-instruct", help="short name, folder or hub id")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--dtype", default="fastest", help="target dtype (fastest: the precision policy's distill choice)")
     for name, default in vars(BuildConfig()).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     args = ap.parse_args(argv)
@@ -376,7 +377,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = BuildConfig(**{k: getattr(args, k) for k in vars(BuildConfig())})
     tokenizer = load_tokenizer(args.target)
-    target = TargetModel.from_config(TargetConfig(name_or_path=args.target, dtype="float32"))
+    target = TargetModel.from_config(TargetConfig(name_or_path=args.target, dtype=args.dtype), "distill")
+    print(target.precision.line())
     return build(target, tokenizer, cfg, args.out)
 
 

@@ -68,7 +68,8 @@ def main(argv: list[str]) -> None:
 
     # ---- target, tokenizer, data, the cut model
     tokenizer = load_tokenizer(cfg.target.name_or_path)
-    target = TargetModel.from_config(cfg.target)
+    target = TargetModel.from_config(cfg.target, workload="train")
+    print(target.precision.line())
     data, summary = build_dataset(cfg.data, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     draft = cut_target(target, tc.layers).to(target.device).train()

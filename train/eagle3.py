@@ -154,7 +154,7 @@ def main(argv: list[str]) -> None:
     cfg = parse_cli(Eagle3RecipeConfig, argv)
     tc = cfg.train
     out = Path(tc.output_dir)
-    accelerator, log = make_accelerator(tc)
+    accelerator, log = make_accelerator(tc, target=cfg.target)
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(tc.seed)
     t_start = time.time()

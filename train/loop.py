@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from eval.report import report_main
 from models.checkpoint import TargetInfo
 from models.config import save_config, to_dict
-from models.target import TargetModel, load_tokenizer
+from models.target import TargetConfig, TargetModel, load_tokenizer
 from train.checkpoint import load_training_state
 from train.data import build_dataset, collate
 from train.features import (
@@ -125,7 +125,9 @@ def _engine_requested() -> str | None:
     return None
 
 
-def make_accelerator(tc: TrainConfig, find_unused: bool = False) -> tuple[Accelerator, Callable[[str], None]]:
+def make_accelerator(
+    tc: TrainConfig, find_unused: bool = False, target: TargetConfig | None = None
+) -> tuple[Accelerator, Callable[[str], None]]:
     """The run's Accelerator and a ``log`` that prints on the main process only. ``find_unused``: some trainable
     parameters get no gradient in some steps (Medusa-2's heads warm-up), which DDP must be told.
 
@@ -137,12 +139,13 @@ def make_accelerator(tc: TrainConfig, find_unused: bool = False) -> tuple[Accele
     explicitly, which gives the real world size; FSDP, which accelerate enables for accelerator devices only, is
     then switched on here for the CPU ranks (``_fsdp_on_cpu``)."""
     engine, no_cuda = _engine_requested(), not torch.cuda.is_available()
+    autocast, precision = mixed_precision(tc.mixed_precision, target)
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if find_unused else []
     if engine and no_cuda:
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     accelerator = Accelerator(
         cpu=no_cuda and engine is None,
-        mixed_precision=mixed_precision(tc.mixed_precision),
+        mixed_precision=autocast,
         gradient_accumulation_steps=tc.grad_accum,
         log_with=tc.log_with,
         project_dir=tc.output_dir,
@@ -166,6 +169,7 @@ def make_accelerator(tc: TrainConfig, find_unused: bool = False) -> tuple[Accele
         f"world {accelerator.num_processes} ({accelerator.distributed_type}), precision {accelerator.mixed_precision}, "
         f"device {accelerator.device}, threads/rank {torch.get_num_threads()}"
     )
+    log(precision.line())
     return accelerator, log
 
 
@@ -323,7 +327,8 @@ def load_target_and_data(cfg, accelerator: Accelerator, log, prepare: Callable[[
             f"{cfg.data.path}: none of its {summary['rows']} rows gives a training sample (skipped: {reasons}); a chat "
             "dataset needs assistant turns with content, raw text needs text, and data.max_length must leave a loss token"
         )
-    target = TargetModel.from_config(cfg.target)
+    target = TargetModel.from_config(cfg.target, workload="train")  # its forward feeds a training step
+    log(target.precision.line())
     train_set = full
     # a seeded random subset: a corpus in file order has a few sources at its head
     if tc.max_train_samples is not None:

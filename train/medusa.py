@@ -201,7 +201,9 @@ def main(argv: list[str]) -> None:
     if hc.init_from and not (Path(hc.init_from) / "config.json").exists():
         raise SystemExit(f"heads.init_from={hc.init_from}: no checkpoint there (train it first, or set null)")
     warmup_phase = cfg.target.mode == "joint" and cfg.joint.heads_warmup_steps > 0
-    accelerator, log = make_accelerator(tc, find_unused=warmup_phase)  # the target's parameters idle in warm-up
+    accelerator, log = make_accelerator(
+        tc, find_unused=warmup_phase, target=cfg.target
+    )  # the target's parameters idle in warm-up
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(tc.seed)
     t_start = time.time()

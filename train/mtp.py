@@ -206,7 +206,7 @@ def main(argv: list[str]) -> None:
     out, joint = Path(tc.output_dir), cfg.target.mode == "joint"
     if mc.init_from and not (Path(mc.init_from) / "config.json").exists():
         raise SystemExit(f"mtp.init_from={mc.init_from}: no checkpoint there (train it first, or set null)")
-    accelerator, log = make_accelerator(tc, find_unused=joint and jc.modules_warmup_steps > 0)
+    accelerator, log = make_accelerator(tc, find_unused=joint and jc.modules_warmup_steps > 0, target=cfg.target)
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(tc.seed)
     t_start = time.time()

@@ -7,7 +7,8 @@ import math
 import torch
 from torch import nn
 
-from models.target import cpu_bf16_is_fast
+from models.precision import PrecisionChoice, choose, cpu_bf16_is_fast, user_choice
+from models.target import TargetConfig
 
 
 def adamw(
@@ -45,13 +46,23 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
-def mixed_precision(choice: str) -> str:
-    """Accelerate's ``mixed_precision`` for "auto" / "bf16" / "fp32": "auto" is bf16 on CUDA and on CPUs where
-    `cpu_bf16_is_fast` measures bf16 faster, else fp32."""
-    if choice == "bf16":
-        return "bf16"
-    if choice == "fp32":
-        return "no"
-    if torch.cuda.is_available():
-        return "bf16"
-    return "bf16" if cpu_bf16_is_fast() else "no"
+def mixed_precision(choice: str, target: TargetConfig | None = None) -> tuple[str, PrecisionChoice]:
+    """Accelerate's ``mixed_precision`` for "auto" / "bf16" / "fp32", and the choice with its reason. "auto" asks the
+    precision policy for the training workload on ``target``'s layer shapes (bf16 autocast where a training step of
+    them measures faster); without a target, the flags-and-matmul test (`cpu_bf16_is_fast`)."""
+    if choice in ("bf16", "fp32"):
+        dtype = "bfloat16" if choice == "bf16" else "float32"
+        made = user_choice("train", dtype, f"train.mixed_precision={choice}")
+    elif target is not None:
+        from transformers import AutoConfig
+
+        from models.reference import resolve_target
+
+        config = AutoConfig.from_pretrained(
+            resolve_target(target.name_or_path), trust_remote_code=target.trust_remote_code
+        )
+        made = choose("train", config, "cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        fast = torch.cuda.is_available() or cpu_bf16_is_fast()
+        made = PrecisionChoice("train", "bfloat16" if fast else "float32", "measured", "bf16 on CUDA or a 512² matmul")
+    return ("bf16" if made.dtype == "bfloat16" else "no"), made

@@ -129,7 +129,8 @@ class ChainSizing:
     rates: dict[int, float]
     """Predicted tokens/s by chain length."""
     vanilla_step_s: float
-    """t(1): one verified token, the vanilla step of the predicted speedup."""
+    """The vanilla loop's step (a plain cached one-token forward), timed beside the verify curve: the denominator
+    of the predicted speedup."""
 
     def predicted_speedup(self, k: int) -> float | None:
         return self.rates[k] * self.vanilla_step_s if k in self.rates else None
@@ -144,7 +145,7 @@ class ChainSizing:
         return (
             f"chain length {self.k} of 1..{max(self.rates)} ({prior}pilot attempts by depth "
             f"{' '.join(map(str, self.pilot_attempts))}; α used {' '.join(f'{a:.2f}' for a in self.alpha)}; draft "
-            f"step {1e3 * self.draft_step_s:.1f} ms; verify ms "
+            f"step {1e3 * self.draft_step_s:.1f} ms; vanilla step {1e3 * self.vanilla_step_s:.0f} ms; verify ms "
             f"{' '.join(f'{n}:{1e3 * t:.0f}' for n, t in self.verify_s.items())}; predicted speedup by k "
             f"{' '.join(f'{i}:{self.predicted_speedup(i):.2f}' for i in self.rates)})"
         )
@@ -174,9 +175,10 @@ def size_chain(
     alpha = shrunk_alpha(acc, att, prior, prior_samples)
     draft_step = sum(s.draft_s for s in stats) / rounds / max_k
     overhead = sum(s.bookkeeping_s for s in stats) / rounds
-    curve = verify_costs(target, prompts[0], tuple(range(1, max_k + 2)), reps=5, aux=make(1).signal is TargetSignal.AUX)
+    aux = make(1).signal is TargetSignal.AUX
+    curve, vanilla_step = step_costs(target, prompts[0], tuple(range(1, max_k + 2)), SIZING_REPS, aux)
     k, rates = best_chain_length(alpha, draft_step, curve, overhead)
-    sizing = ChainSizing(k, alpha, att, prior, prior_samples, draft_step, overhead, curve, rates, curve[1])
+    sizing = ChainSizing(k, alpha, att, prior, prior_samples, draft_step, overhead, curve, rates, vanilla_step)
     log(f"cost curve: {sizing.account()}")
     return sizing
 
@@ -206,6 +208,8 @@ class TreeSizing:
     rates: dict[str, float]
     """Predicted tokens/s by setting name: τ / (draft + verify(n) + bookkeeping) per round."""
     vanilla_step_s: float
+    verify_s: dict[int, float]
+    """The verify-cost curve the settings were rated on (seconds by node count)."""
 
     def predicted_speedup(self, name: str) -> float | None:
         return self.rates[name] * self.vanilla_step_s if name in self.rates else None
@@ -231,9 +235,8 @@ def size_tree(
     verify time of its node count here; the setting with the best predicted tokens/s wins. τ of a whole tree is
     pooled over every round of the pilot, so it is steadier than the per-depth rates a chain is sized from."""
     signal = make(grid[0]).signal
-    curve = verify_costs(
-        target, prompts[0], tuple(sorted({1, *(g.total_tokens for g in grid)})), 5, signal is TargetSignal.AUX
-    )
+    sizes = tuple(sorted({1, *(g.total_tokens for g in grid)}))
+    curve, vanilla_step = step_costs(target, prompts[0], sizes, SIZING_REPS, signal is TargetSignal.AUX)
     taus, rates = {}, {}
     for tree in grid:
         stats = [
@@ -245,7 +248,7 @@ def size_tree(
         per_round = sum(s.draft_s + s.bookkeeping_s for s in stats) / rounds + curve[tree.total_tokens]
         taus[tree_name(tree)], rates[tree_name(tree)] = tau, tau / per_round
     best = max(rates, key=rates.get)
-    sizing = TreeSizing(next(g for g in grid if tree_name(g) == best), taus, rates, curve[1])
+    sizing = TreeSizing(next(g for g in grid if tree_name(g) == best), taus, rates, vanilla_step, curve)
     log(f"cost curve: {sizing.account()}")
     return sizing
 
@@ -254,6 +257,16 @@ def size_tree(
 def verify_costs(target: TargetModel, context: list[int], sizes: tuple[int, ...], reps: int, aux: bool) -> dict:
     """Median seconds of ``verify_tree`` over a chain of n nodes after ``context``; the cache is cut back after
     each call so every call sees the same context length."""
+    return step_costs(target, context, sizes, reps, aux, vanilla=False)[0]
+
+
+def step_costs(
+    target: TargetModel, context: list[int], sizes: tuple[int, ...], reps: int, aux: bool, vanilla: bool = True
+) -> tuple[dict[int, float], float | None]:
+    """(`verify_costs`, the vanilla loop's step: a cached one-token forward without a tree mask), timed in turn in
+    one loop, so the two see the same machine. The speculative verify path costs more than vanilla's plain forward
+    even at one token (the tree mask, the KV bookkeeping): on SmolLM2 here 107 against 97 ms. A prediction that took
+    t_verify(1) for vanilla's step would be ~10 % optimistic."""
     state = DecodeState([context], SamplingParams(max_new_tokens=1), (), target.device)
     prefill(target, state, capture_aux=aux)
     S = state.kv_valid.shape[1]
@@ -264,15 +277,30 @@ def verify_costs(target: TargetModel, context: list[int], sizes: tuple[int, ...]
         for layer in state.cache.layers:
             layer.keys, layer.values = layer.keys[:, :, :S], layer.values[:, :, :S]
 
+    plain = DynamicCache()
+    x = torch.tensor([[context[-1]]], device=target.device)
+    if vanilla:
+        target.model(input_ids=torch.tensor([context[:-1]], device=target.device), cache=plain, use_cache=True)
+
+    def step() -> None:
+        target.model(input_ids=x, cache=plain, use_cache=True)
+        plain.crop(-1)  # transformers 5: a negative count removes that many tokens
+
     for n in sizes:  # warm-up
         run(n)
+    if vanilla:
+        step()
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    plain_times: list[float] = []
     for _ in range(reps):
         for n in sizes:
             times[n].append(timed(lambda n=n: run(n), target.device))
+        if vanilla:
+            plain_times.append(timed(step, target.device))
     if any(layer.keys.shape[2] != S for layer in state.cache.layers):
         raise RuntimeError("the cache grew during timing: later sizes saw a longer context")
-    return {n: statistics.median(t) for n, t in times.items()}
+    curve = {n: statistics.median(t) for n, t in times.items()}
+    return curve, statistics.median(plain_times) if vanilla else None
 
 
 @torch.inference_mode()
@@ -290,6 +318,9 @@ def vanilla_step_cost(model, context: list[int], reps: int) -> float:
     return statistics.median(timed(run, device) for _ in range(reps))
 
 
+SIZING_REPS = 7
+"""Timings per size of a sizing's cost curve (medians; the host of this project's machines moves ~5-20 % over
+minutes)."""
 NOISE = 0.05
 """Relative difference below which two timings on this machine are called equal (repeated medians moved ~2-4 %)."""
 

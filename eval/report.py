@@ -29,6 +29,7 @@ import torch
 
 from eval.cost_curve import (
     ChainSizing,
+    TreeSizing,
     heldout_acceptance,
     size_chain,
     size_tree,
@@ -278,8 +279,9 @@ def run_report(
     eos = stop_ids(tokenizer, target.model)
     prepare_target(target, log)  # before sizing: the cost curve must see the kernels the measurement uses
     ids = [p.ids for p in prompts]
+    tree_sizing = None
     if cfg.chain_from_cost_curve and cfg.tree_total_tokens:
-        cfg = _sized_tree(target, drafters, cfg, ids, eos, log)
+        cfg, tree_sizing = _sized_tree(target, drafters, cfg, ids, eos, log)
     chains: list[tuple[str, Callable[[int], Proposer], ChainSizing]] = []
 
     def sizer(folder: str | Path | None, proposer: str) -> ChainSizer:
@@ -311,6 +313,17 @@ def run_report(
     checks = {}
     if chains:
         checks["sizing"] = _sizing_check(rows, measured, chains)
+    if tree_sizing is not None:
+        checks["tree_sizing"] = {
+            "setting": tree_name(tree_sizing.tree),
+            "pilot_tau": tree_sizing.tau,
+            "predicted_speedup": {n: tree_sizing.predicted_speedup(n) for n in tree_sizing.rates},
+            "verify_ms": {n: 1e3 * t for n, t in tree_sizing.verify_s.items()},
+            "vanilla_step_ms": 1e3 * tree_sizing.vanilla_step_s,
+            "summary": f"{tree_sizing.account()}; verify ms "
+            + " ".join(f"{n}:{1e3 * t:.0f}" for n, t in tree_sizing.verify_s.items())
+            + ".",
+        }
     first = next((r for r in rows if r["temperature"] == 0.0 and r["batch_size"] == 1 and r["category"] == "all"), None)
     if first is not None:
         checks["vanilla_check"] = vanilla_check(target, prompts[0].ids, first)
@@ -335,9 +348,10 @@ def _dtype_of(module: torch.nn.Module) -> str:
     return "float32" if first is None else str(first.dtype).removeprefix("torch.")
 
 
-def _sized_tree(target, drafters, cfg: ReportConfig, ids, eos, log) -> ReportConfig:
+def _sized_tree(target, drafters, cfg: ReportConfig, ids, eos, log) -> tuple[ReportConfig, TreeSizing | None]:
     """``cfg`` with the EAGLE-2 tree chosen on this machine (`size_tree`) from the first drafter whose family measures
-    the report's dynamic tree; unchanged when none does (their trees are their own: static, top-k)."""
+    the report's dynamic tree, and how it was chosen; unchanged and None when none does (their trees are their own:
+    static, top-k)."""
     for drafter in drafters:
         fam = family_of(drafter)
 
@@ -352,11 +366,13 @@ def _sized_tree(target, drafters, cfg: ReportConfig, ids, eos, log) -> ReportCon
 
         probe = dataclasses.replace(cfg, chain_k=0)
         if any(s.setting == cfg.tree_name for s in fam.report_proposers(drafter, probe, lambda m, k: k)):
-            tree = size_tree(target, make, ids, eos, log=log).tree
-            return dataclasses.replace(
+            sized = size_tree(target, make, ids, eos, log=log)
+            tree = sized.tree
+            chosen = dataclasses.replace(
                 cfg, tree_top_k=tree.top_k, tree_depth=tree.depth, tree_total_tokens=tree.total_tokens
             )
-    return cfg
+            return chosen, sized
+    return cfg, None
 
 
 def _owner(measured: list[Candidate], name: str, k: int) -> Candidate | None:
@@ -407,6 +423,8 @@ def _sizing_check(rows: list[dict], measured: list[Candidate], chains) -> dict:
                 "chosen": n == sized.k,
                 "predicted_speedup": sized.predicted_speedup(n),
                 "measured_speedup": row["speedup"],
+                "verify_ms": {m: 1e3 * t for m, t in sized.verify_s.items()},
+                "vanilla_step_ms": 1e3 * sized.vanilla_step_s,
                 "account": sized.account(),
             }
             table.append(entry)

@@ -149,12 +149,15 @@ def test_bad_tree_is_rejected():
 def test_cost_curve_times_every_size_at_a_fixed_context(tiny_target):
     """eval/cost_curve's timers: one entry per size; verify_costs raises if the cache is not cut back after each
     call (every size must see the same context)."""
-    from eval.cost_curve import vanilla_step_cost, verify_costs
+    from eval.cost_curve import step_costs, vanilla_step_cost, verify_costs
 
     context = PROMPTS[2]
     costs = verify_costs(tiny_target, context, (1, 3, 8), reps=2, aux=True)
     assert sorted(costs) == [1, 3, 8] and all(c > 0 for c in costs.values())
     assert vanilla_step_cost(tiny_target.model, context, reps=2) > 0
+    # the sizing's curve: the same verify sizes with vanilla's plain step timed in turn beside them
+    curve, vanilla = step_costs(tiny_target, context, (1, 2), reps=2, aux=False)
+    assert sorted(curve) == [1, 2] and vanilla > 0
 
 
 def test_drop_holes_left_aligns_each_rows_valid_entries_once_holes_dominate():

@@ -155,3 +155,4 @@ def test_tree_sizing_pilots_every_setting_and_rates_it_on_the_verify_curve(tiny_
     for g in grid:
         assert 2.0 < sizing.tau[tree_name(g)] <= g.depth + 1
         assert sizing.predicted_speedup(tree_name(g)) > 0
+    assert set(sizing.verify_s) == {1, 4, 8} and sizing.vanilla_step_s > 0  # the curve it was rated on

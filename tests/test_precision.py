@@ -229,3 +229,32 @@ def test_an_engine_under_bf16_autocast(tiny_recipe, tmp_path, monkeypatch):
     target = TargetModel.from_config(TargetConfig(name_or_path=str(tiny_recipe / "target"), dtype="fastest"))
     assert target.dtype == torch.bfloat16 and target.precision.source == "forced"
     MTPDrafter.from_pretrained(out, target)
+
+
+def test_the_dtype_curves_benchmark_prints_and_writes_what_it_timed(tmp_path, capsys):
+    """`python -m eval.dtype_curves` on a tiny target folder: GEMM rates and forward costs per dtype and row count."""
+    from eval.dtype_curves import main
+
+    tiny_llama().save_pretrained(tmp_path / "t")
+    out = tmp_path / "curves.json"
+    result = main(
+        [
+            "--target",
+            str(tmp_path / "t"),
+            "--rows",
+            "1,2",
+            "--reps",
+            "2",
+            "--bf16-reps",
+            "1",
+            "--prefix",
+            "16",
+            "--out",
+            str(out),
+        ]
+    )
+    assert json.loads(out.read_text())["forward_ms"]["float32"].keys() == {"1", "2"}
+    assert set(result["forward_ms"]) == {"float32", "bfloat16"} and all(
+        ms > 0 for curve in result["forward_ms"].values() for ms in curve.values()
+    )
+    assert result["gemm_gflops"]["float32"][512] > 0 and "bfloat16 forward after 16 tokens" in capsys.readouterr().out

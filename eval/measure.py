@@ -521,8 +521,7 @@ def write_report(
         "",
         precision_words(rows, precision),
         "",
-        notes,
-        "",
+        *([notes, ""] if notes else []),
         "| category | proposer | setting | T | bs | dtype | τ | speedup | predicted | tokens/s | vanilla tokens/s "
         "(dtype) | α | greedy identical |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -567,5 +566,7 @@ def precision_words(rows: list[dict], precision: dict | None) -> str:
     if vanilla != served:
         words += " (speculation runs in another dtype than the fastest vanilla: identity is judged in the served dtype)"
     if precision:
-        words += f". Chosen by {precision['source']}: {precision['reason']}"
+        how = {"user": "set by the user", "cached": "the precision policy, measured earlier on this machine"}
+        words += f". Chosen by {how.get(precision['source'], 'the precision policy, ' + precision['source'])}: "
+        words += precision["reason"]
     return words + "."

@@ -16,6 +16,7 @@ at least one token, so vanilla decoding has τ = 1.00 exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -257,27 +258,130 @@ def generate_vanilla(
     prefill(target, state)
     stats.prefill_s = clock(target.device) - t0
     while state.active:
-        tv = clock(target.device)
-        allowed = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)[:, None, :]
-        logits = target.model(
-            input_ids=state.roots[:, None],
-            attention_mask=additive_mask(allowed, target.dtype),
-            position_ids=state.lengths[:, None],
-            cache=state.cache,
-            use_cache=True,
-        ).logits[:, -1]
-        stats.verify_s += clock(target.device) - tv
-        tb = clock(target.device)
-        nxt = _next_token(logits, params, gen)
-        state.kv_valid = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)
-        stats.rounds += 1
-        stats.row_forwards += len(state.active)
-        finished = [state.emit(i, [t]) for i, t in enumerate(nxt.tolist())]
-        stats.new_tokens += len(finished)
-        state.drop_finished(finished)
-        stats.bookkeeping_s += clock(target.device) - tb
+        _vanilla_step(target, state, params, gen, stats)
     stats.total_s = clock(target.device) - t0
     return GenerationResult(state.new_tokens, stats)
+
+
+def _vanilla_step(
+    target: TargetModel, state: DecodeState, params: SamplingParams, gen: torch.Generator, stats: GenerationStats
+) -> list[int]:
+    """One batched vanilla forward over every active row's root; emits a token per row, drops the rows that
+    finished and returns their row ids."""
+    tv = clock(target.device)
+    allowed = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)[:, None, :]
+    logits = target.model(
+        input_ids=state.roots[:, None],
+        attention_mask=additive_mask(allowed, target.dtype),
+        position_ids=state.lengths[:, None],
+        cache=state.cache,
+        use_cache=True,
+    ).logits[:, -1]
+    stats.verify_s += clock(target.device) - tv
+    tb = clock(target.device)
+    nxt = _next_token(logits, params, gen)
+    state.kv_valid = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)
+    stats.rounds += 1
+    stats.row_forwards += len(state.active)
+    finished = [state.emit(i, [t]) for i, t in enumerate(nxt.tolist())]
+    stats.new_tokens += len(finished)
+    done = [state.active[i] for i, f in enumerate(finished) if f]
+    state.drop_finished(finished)
+    stats.bookkeeping_s += clock(target.device) - tb
+    return done
+
+
+def decode_continuous(
+    target: TargetModel,
+    submit: Callable[[], list[tuple[object, list[int]]]],
+    on_done: Callable[[object, list[int]], None],
+    params: SamplingParams,
+    eos_ids: tuple[int, ...],
+    batch_size: int,
+    refill: int | None = None,
+) -> GenerationStats:
+    """Vanilla decoding with continuous batching: a row that finishes frees its slot for the next prompt at once, so
+    a batch does not shrink to its longest answer (the throughput of batched self-distillation, where answer
+    lengths vary 10x).
+
+    ``submit(n)`` hands up to n ``(key, prompt)`` pairs (fewer or none when nothing is waiting); ``on_done(key,
+    tokens)`` receives each answer as it finishes (it may make new prompts available to ``submit``, e.g. the next
+    turn of a conversation). New prompts are prefilled together and joined to the running batch once ``refill``
+    slots are free (default a quarter of the batch): every join left-pads the shorter cache to the longer, so a join
+    per freed slot would copy the cache too often. Tokens and logits of a row do not depend on its neighbours (the
+    slot layout above), so greedy answers equal those of one-at-a-time decoding up to the kernels' rounding. One
+    random stream serves all rows (T > 0 samples are not tied to a row's batch)."""
+    refill = max(1, refill if refill is not None else batch_size // 4)
+    stats = GenerationStats(tree_nodes=1)
+    t0 = clock(target.device)
+    gen = _seeded_generator(params, target.device)
+    state: DecodeState | None = None
+    keys: dict[int, object] = {}
+    while True:
+        free = batch_size - (len(state.active) if state is not None else 0)
+        if state is None or not state.active or free >= refill:
+            new = submit(free) if free else []
+            if new:
+                tp = clock(target.device)
+                state = _join(target, state, [p for _, p in new], params, eos_ids, keys, [k for k, _ in new])
+                stats.prefill_s += clock(target.device) - tp
+        if state is None or not state.active:
+            break
+        for row in _vanilla_step(target, state, params, gen, stats):
+            on_done(keys.pop(row), state.new_tokens[row])
+            state.new_tokens[row] = state.contexts[row] = []  # answered: release its text
+    stats.total_s = clock(target.device) - t0
+    return stats
+
+
+def _join(
+    target: TargetModel,
+    state: DecodeState | None,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    eos_ids: tuple[int, ...],
+    keys: dict[int, object],
+    new_keys: list[object],
+) -> DecodeState:
+    """``state`` with ``prompts`` prefilled and appended as new rows (their row ids continue the old ones); the two
+    caches are left-padded to one width (invalid slots) and concatenated along the batch."""
+    fresh = DecodeState(prompts, params, eos_ids, target.device)
+    prefill(target, fresh)
+    if state is None or not state.active:
+        base = 0 if state is None else len(state.contexts)
+        if state is not None:  # keep row ids unique across the run
+            fresh.contexts = state.contexts + fresh.contexts
+            fresh.new_tokens = state.new_tokens + fresh.new_tokens
+            fresh.active = [base + r for r in fresh.active]
+        keys.update({base + i: k for i, k in enumerate(new_keys)})
+        return fresh
+    base = len(state.contexts)
+    width = max(state.kv_valid.shape[1], fresh.kv_valid.shape[1])
+
+    def left_pad(t: torch.Tensor, dim: int, fill) -> torch.Tensor:
+        missing = width - t.shape[dim]
+        if missing == 0:
+            return t
+        shape = list(t.shape)
+        shape[dim] = missing
+        return torch.cat([torch.full(shape, fill, dtype=t.dtype, device=t.device), t], dim)
+
+    state.kv_valid = torch.cat([left_pad(state.kv_valid, 1, False), left_pad(fresh.kv_valid, 1, False)], 0)
+    if not fresh.cache.layers:  # prompts of one token: nothing was prefilled, every slot of theirs is invalid
+        fresh_kv = [(layer.keys[:0], layer.values[:0]) for layer in state.cache.layers]
+        fresh_kv = [
+            (k.new_zeros(len(prompts), *k.shape[1:]), v.new_zeros(len(prompts), *v.shape[1:])) for k, v in fresh_kv
+        ]
+    else:
+        fresh_kv = [(layer.keys, layer.values) for layer in fresh.cache.layers]
+    for layer, (k, v) in zip(state.cache.layers, fresh_kv):
+        layer.keys = torch.cat([left_pad(layer.keys, 2, 0.0), left_pad(k, 2, 0.0)], 0)
+        layer.values = torch.cat([left_pad(layer.values, 2, 0.0), left_pad(v, 2, 0.0)], 0)
+    state.contexts += fresh.contexts
+    state.new_tokens += fresh.new_tokens
+    state.active += [base + r for r in fresh.active]
+    keys.update({base + i: k for i, k in enumerate(new_keys)})
+    return state
 
 
 # ------------------------------------------------------------------------------------- speculative

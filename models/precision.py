@@ -1,24 +1,30 @@
 """One precision decision per machine, target and workload, made by timing that workload (DESIGN.md §7).
 
-Which dtype is fastest depends on the work, not on one matmul. On an AMX Xeon a 2048² GEMM runs ~6x faster in bf16,
-yet SmolLM2's one-token decode step costs the same in both dtypes (it is bound by memory traffic and per-op overhead);
-only at the verify sizes of speculation (4-16 rows) does bf16 pull ahead. On CPUs without native bf16 instructions
-bf16 is emulated and ~100x slower everywhere. So each workload is measured on the target's own layer shapes:
+Which dtype is fastest depends on the work, not on one matmul or on CPU flags. On an AMX Xeon a 2048² GEMM runs ~6x
+faster in bf16, yet SmolLM2's one-token decode step costs the same in both dtypes (bound by memory traffic and
+per-op overhead); only at the verify sizes of speculation (4-16 rows) does bf16 pull ahead. On this project's AVX2
+EPYC, without native bf16 instructions, a bf16 512² GEMM is ~100x slower than fp32, yet SmolLM2's one-token bf16
+step is faster than fp32's (half the bytes to read) while its prefill is far slower. So each workload is measured
+on the target's own layer shapes, in both dtypes, on every CPU:
 
 - ``serve``: one decode forward after a 128-token prefix at 1 … 8 and 16 rows (vanilla's step and the verify sizes
-  of chains and trees), batch 1. The choice maximises speculation's predicted speedup over the fastest vanilla of
-  any dtype (`serving_choice`); the dtype of that fastest vanilla is kept as ``vanilla_dtype``, the baseline.
-- ``distill``: one decode forward of a batch of 32 rows (self-distillation's batched answerer); most tokens/s wins.
+  of chains and trees) and the prefill of a 128-token prompt, batch 1. The choice maximises speculation's predicted
+  speedup over the fastest vanilla of any dtype on a 128-token prompt with a 128-token answer (`serving_choice`);
+  the dtype of that fastest vanilla is kept as ``vanilla_dtype``, the baseline.
+- ``distill``: the prefill and one decode step of a batch of 32 (self-distillation's batched answerer); the most
+  answer tokens/s wins.
 - ``train``: forward + backward of a one-layer model of the target's shapes on 2 × 128 tokens (an EAGLE-3 / MTP
-  drafter is one such layer and the head), fp32 against bf16 autocast; the faster wins.
+  drafter is one such layer and the head), fp32 against bf16 autocast, after a 512² GEMM in each dtype (a bf16
+  GEMM ``EMULATED`` x behind ends bf16's race there: the step would take minutes and lose).
 
-The probe is the target's architecture built from its HF config with 1 and 8 decoder layers (random weights);
-a full forward is extrapolated as ``t1 + (L - 1) · (t8 - t1) / 7``, each time the fastest of 7 calls. ``prepare(model)`` installs the kernel
-routing the server will use (``infer.kernels.cpu_linear``), so fp32 is timed the way it is served. Curves are cached
-per machine (CPU model, flags, threads, torch) and target shape in ``$DRAFTERS_PRECISION_CACHE`` (default
-``~/.cache/drafters/precision``), so a machine measures once. An explicit dtype always wins and is reported as the
-user's choice; ``$DRAFTERS_CPU_BF16`` = fast / slow forces the automatic answer (the suite runs every bf16 path
-that way on any CPU). On CUDA the answer is bf16 where the GPU supports it, without timing.
+The probe is the target's architecture built from its HF config with 1 and 8 decoder layers (random weights); a
+full forward is extrapolated as ``t1 + (L - 1) · (t8 - t1) / 7``, each time the fastest of 7 calls, the dtypes
+timed in turn at each size. ``prepare(model)`` installs the kernel routing the server will use
+(``infer.kernels.cpu_linear``), so fp32 is timed the way it is served. Curves are cached per machine (CPU model,
+flags, threads, torch) and target shape in ``$DRAFTERS_PRECISION_CACHE`` (default ``~/.cache/drafters/precision``),
+so a machine measures once. An explicit dtype always wins and is reported as the user's choice;
+``$DRAFTERS_CPU_BF16`` = fast / slow forces the automatic answer (the suite runs every bf16 path that way on any
+CPU). On CUDA the answer is bf16 where the GPU supports it, without timing.
 """
 
 from __future__ import annotations
@@ -44,10 +50,18 @@ SERVE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 DISTILL_BATCH = 32
 TRAIN_SHAPE = (2, 128)
 PREFIX = 128
+"""Prompt tokens of the modelled request (and the cache every decode step is timed after)."""
+ANSWER = 128
+"""Answer tokens of the modelled request: a decision weighs prefill against decoding by this mix."""
+PREFILL_CHUNK = 32
+"""Prefill is timed on this many tokens and scaled linearly (it is GEMM-bound): emulated bf16 stays seconds."""
+PREFILL = 0
+"""Curve key of the prefill of the modelled prompt (serve: PREFIX tokens; distill: a batch of them)."""
 PROBE_LAYERS = 8
 """The deeper probe's layers: the per-layer cost is (t8 - t1) / 7, so timing noise is multiplied by (L - 1) / 7."""
 EMULATED = 3.0
-"""bf16 slower than fp32 by this factor at one row is emulated arithmetic: its larger shapes are not timed."""
+"""bf16 slower than fp32 by this factor at one size is out of the race: its larger sizes are not timed, and a bf16
+512² GEMM that far behind rules out timing a (GEMM-bound) training step in bf16, which would take minutes."""
 TIE = 0.03
 """Predicted speeds within 3 % are a tie, which goes to fp32 (exact arithmetic, one dtype for vanilla and verify)."""
 DEFAULT_ACCEPTANCE = (0.6, 0.5, 0.45, 0.4, 0.4, 0.4, 0.4)
@@ -139,7 +153,7 @@ class PrecisionChoice:
     """"float32" or "bfloat16" (for ``train``: the autocast dtype; "float32" means no autocast)."""
     source: str
     """"user" (an explicit setting), "measured", "cached" (measured before on this machine), "forced"
-    ($DRAFTERS_CPU_BF16), "flags" (no native bf16: not timed), "cuda" or "checkpoint" (the checkpoint's dtype)."""
+    ($DRAFTERS_CPU_BF16) or "cuda"."""
     reason: str
     vanilla_dtype: str | None = None
     """``serve``: the dtype of the fastest vanilla step, the baseline of every speedup (may differ from ``dtype``)."""
@@ -168,18 +182,27 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 def serving_choice(
     curves: dict[str, dict[int, float]], acceptance: Sequence[float] = DEFAULT_ACCEPTANCE
 ) -> tuple[str, str, float, int]:
-    """(serve dtype, vanilla dtype, predicted speedup, chain length) from per-dtype step-cost curves.
+    """(serve dtype, vanilla dtype, predicted speedup, chain length) from per-dtype cost curves.
 
-    Vanilla runs in the dtype of the cheapest one-row step; speculation's predicted speedup in dtype d with a chain
-    of k is E_k · t_vanilla(1) / t_d(k + 1), over the fastest vanilla of any dtype. The dtype with the best chain
-    serves; when nothing predicts a gain, or the best dtypes tie within ``TIE``, the choice falls back to vanilla's
-    dtype (fp32 on a tie of dtypes). Draft cost is left out: it scales with the dtype much as the target does."""
-    vanilla_dtype = min(curves, key=lambda d: (curves[d][1], d != "float32"))
-    v = curves[vanilla_dtype][1]
+    The modelled request is a ``PREFIX``-token prompt and an ``ANSWER``-token answer. Vanilla in dtype d costs
+    prefill_d + ANSWER · t_d(1); speculation with a chain of k costs prefill_d + ANSWER / E_k · t_d(k + 1). Vanilla
+    runs in its cheapest dtype, and speculation's predicted speedup is over that, whichever dtype it runs in. The
+    dtype with the best chain serves; when nothing predicts a gain, or the best dtypes tie within ``TIE``, the choice
+    falls back to vanilla's dtype (fp32 on a tie of dtypes). Draft cost is left out: it scales with the dtype much
+    as the target does."""
+
+    def prefill(d: str) -> float:
+        return curves[d].get(PREFILL, 0.0)
+
+    vanilla_cost = {d: prefill(d) + ANSWER * c[1] for d, c in curves.items()}
+    vanilla_dtype = min(curves, key=lambda d: (vanilla_cost[d], d != "float32"))
+    v = vanilla_cost[vanilla_dtype]
     best: dict[str, tuple[float, int]] = {}
     for d, c in curves.items():
         options = [
-            (expected_tokens(acceptance, k) * v / c[k + 1], k) for k in range(1, len(acceptance) + 1) if k + 1 in c
+            (v / (prefill(d) + ANSWER / expected_tokens(acceptance, k) * c[k + 1]), k)
+            for k in range(1, len(acceptance) + 1)
+            if k + 1 in c
         ]
         if options:
             best[d] = max(options)
@@ -193,37 +216,61 @@ def serving_choice(
     return top, vanilla_dtype, best[top][0], best[top][1]
 
 
-def _fastest(curves: dict[str, dict[int, float]], rows: int) -> str:
-    """The dtype with the cheapest workload, fp32 on a tie within ``TIE``."""
-    top = min(curves, key=lambda d: curves[d][rows])
-    if "float32" in curves and curves["float32"][rows] <= curves[top][rows] * (1 + TIE):
+def distill_tokens_per_s(curve: dict[int, float]) -> float:
+    """Answer tokens/s of a batch of ``DISTILL_BATCH`` ``PREFIX``-token prompts answered with ``ANSWER`` tokens."""
+    return DISTILL_BATCH * ANSWER / (curve.get(PREFILL, 0.0) + ANSWER * curve[DISTILL_BATCH]) * 1e3
+
+
+def _pick(score: dict[str, float]) -> str:
+    """The dtype with the highest score, fp32 on a tie within ``TIE``."""
+    top = max(score, key=score.get)
+    if "float32" in score and score["float32"] * (1 + TIE) >= score[top]:
         return "float32"
     return top
 
 
 def _curve_words(curves: dict[str, dict[int, float]], rows: Sequence[int]) -> str:
     short = {"float32": "fp32", "bfloat16": "bf16"}
-    return "; ".join(
-        f"{short.get(d, d)} " + ", ".join(f"t({m}) {c[m]:.1f}" for m in rows if m in c) + " ms"
-        for d, c in curves.items()
-    )
+    out = []
+    for d, c in curves.items():
+        parts = [f"prefill({PREFIX}) {c[PREFILL]:.0f}"] if PREFILL in c else []
+        parts += [f"t({m}) {c[m]:.1f}" for m in rows if m in c]
+        out.append(f"{short.get(d, d)} " + ", ".join(parts) + " ms")
+    return "; ".join(out)
 
 
 def decide(
-    workload: str, curves: dict[str, dict[int, float]], acceptance: Sequence[float] = DEFAULT_ACCEPTANCE
+    workload: str,
+    curves: dict[str, dict[int, float]],
+    acceptance: Sequence[float] = DEFAULT_ACCEPTANCE,
+    skipped: dict[str, str] | None = None,
 ) -> tuple[str, str | None, str]:
-    """(dtype, vanilla dtype or None, reason in words) of ``workload`` from its measured curves."""
+    """(dtype, vanilla dtype or None, reason in words) of ``workload`` from its measured curves. ``skipped``: dtypes
+    left out of the race, with why (a measurement that showed them far behind)."""
+    left_out = "".join(f"; {d} not timed further: {why}" for d, why in (skipped or {}).items())
     if workload == "serve":
         dtype, vanilla, speedup, k = serving_choice(curves, acceptance)
-        why = _curve_words(curves, (1, 2, 4, 8, 16))
+        why = _curve_words(curves, (1, 2, 4, 8, 16)) + left_out
         if k == 0:
             return dtype, vanilla, f"{why}; no chain predicts a gain over vanilla in {vanilla}"
         also = "" if dtype == vanilla else f" (vanilla is fastest in {vanilla}: the baseline runs there)"
-        return dtype, vanilla, f"{why}; chain {k} predicts {speedup:.2f}x over the fastest vanilla in {dtype}{also}"
-    rows = DISTILL_BATCH if workload == "distill" else 0
-    dtype = _fastest(curves, rows)
-    unit = f"one decode step of {DISTILL_BATCH} rows" if workload == "distill" else "a training step (fwd + bwd)"
-    return dtype, None, f"{unit}: " + ", ".join(f"{d} {c[rows]:.1f} ms" for d, c in curves.items())
+        request = f"a {PREFIX}-token prompt and {ANSWER}-token answer"
+        return (
+            dtype,
+            vanilla,
+            f"{why}; for {request}, chain {k} predicts {speedup:.2f}x over the fastest vanilla in {dtype}{also}",
+        )
+    if workload == "distill":
+        rates = {d: distill_tokens_per_s(c) for d, c in curves.items()}
+        words = ", ".join(f"{d} {r:.0f} answer tokens/s" for d, r in rates.items())
+        return (
+            _pick(rates),
+            None,
+            f"{_curve_words(curves, (DISTILL_BATCH,))}: {words} at batch {DISTILL_BATCH}{left_out}",
+        )
+    rates = {d: 1.0 / c[0] for d, c in curves.items()}
+    words = ", ".join(f"{d} {c[0]:.1f} ms" for d, c in curves.items())
+    return _pick(rates), None, f"a training step (fwd + bwd): {words}{left_out}"
 
 
 def choose(
@@ -240,10 +287,13 @@ def choose(
 ) -> PrecisionChoice:
     """The automatic dtype of ``workload`` for a target with HF ``config`` on ``device``.
 
-    ``timer(workload, dtype, rows) -> ms`` and ``cpuinfo`` replace the machine in tests; otherwise the probe
-    model of ``config`` is timed (`measure_curves`) and the curves are cached (``cache_dir`` / ``$DRAFTERS_PRECISION
-    _CACHE``; ``refresh`` measures again). ``acceptance``: the drafter's conditional acceptance per depth, when known
-    (serve)."""
+    ``timer(workload, dtype, key) -> ms`` and ``cpuinfo`` replace the machine in tests (key: a row count, or
+    ``PREFILL``, or 0 for the training step, or -512 for the 512² GEMM); otherwise the probe model of ``config`` is
+    timed (`measure_curves`) and the curves are cached (``cache_dir`` / ``$DRAFTERS_PRECISION_CACHE``; ``refresh``
+    measures again). ``acceptance``: the drafter's conditional acceptance per depth, when known (serve). bf16 is
+    timed on every CPU (never assumed slow: on this project's AVX2 EPYC a bf16 512² GEMM is ~100x slower than fp32,
+    yet SmolLM2's one-token bf16 step is faster than fp32's); a size where it is ``EMULATED`` x behind ends its
+    race."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     acceptance = tuple(acceptance or DEFAULT_ACCEPTANCE)
@@ -259,32 +309,21 @@ def choose(
     forced = forced_bf16()
     if forced is not None:
         dtype = "bfloat16" if forced else "float32"
-        return PrecisionChoice(
-            workload,
-            dtype,
-            "forced",
-            f"${CPU_BF16_ENV}={os.environ[CPU_BF16_ENV]}",
-            vanilla and dtype,
-            {},
-            where.as_dict(),
-        )
-    dtypes = ["float32", "bfloat16"] if where.native_bf16 else ["float32"]
+        env = f"${CPU_BF16_ENV}={os.environ[CPU_BF16_ENV]}"
+        return PrecisionChoice(workload, dtype, "forced", env, vanilla and dtype, {}, where.as_dict())
     source = "measured"
     if timer is not None:
-        curves = {d: {m: timer(workload, d, m) for m in _rows(workload)} for d in dtypes}
+        found = _race(workload, ["float32", "bfloat16"], lambda d, key: timer(workload, d, key))
     else:
         if config is None:
             raise ValueError("the precision choice measures the target's layer shapes: pass its HF config")
         path = _cache_path(workload, config, where, cache_dir)
         if refresh:
             path.unlink(missing_ok=True)
-        curves, source = _measure_once(path, lambda: measure_curves(workload, config, dtypes, prepare))
-    curves = _drop_emulated(curves)
-    dtype, vanilla, reason = decide(workload, curves, acceptance)
-    if not where.native_bf16:
-        reason += f" (bf16 not timed: {where.name} has no avx512_bf16 / amx_bf16, so bf16 is emulated, ~100x slower)"
-        source = "flags" if source == "measured" else source
-    return PrecisionChoice(workload, dtype, source, reason, vanilla, curves, where.as_dict())
+        found, source = _measure_once(path, lambda: measure_curves(workload, config, ["float32", "bfloat16"], prepare))
+    curves, skipped = _complete(found)
+    dtype, vanilla, reason = decide(workload, curves, acceptance, skipped)
+    return PrecisionChoice(workload, dtype, source, reason, vanilla, found, where.as_dict())
 
 
 def user_choice(workload: str, dtype: str, setting: str) -> PrecisionChoice:
@@ -294,13 +333,44 @@ def user_choice(workload: str, dtype: str, setting: str) -> PrecisionChoice:
     )
 
 
-def _rows(workload: str) -> tuple[int, ...]:
-    return SERVE_ROWS if workload == "serve" else ((DISTILL_BATCH,) if workload == "distill" else (0,))
+def _keys(workload: str) -> tuple[int, ...]:
+    if workload == "serve":
+        return (PREFILL, *SERVE_ROWS)
+    return (PREFILL, DISTILL_BATCH) if workload == "distill" else (0,)
 
 
-def _drop_emulated(curves: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
-    """Without a dtype measured only at its first point (``measure_curves`` stops timing emulated bf16 there)."""
-    return {d: c for d, c in curves.items() if all(m in c for m in curves["float32"])}
+GEMM = -512
+"""Curve key of a 512² GEMM (ms), timed before a training step: it tells in a second whether bf16 GEMMs are emulated."""
+
+
+def _race(workload: str, dtypes: Sequence[str], time_one: Callable[[str, int], float]) -> dict[str, dict[int, float]]:
+    """dtype → key → ms, the dtypes timed in turn at each key. fp32 is always complete; another dtype leaves the race
+    at the first key where it is ``EMULATED`` x behind fp32 (its curve then ends there)."""
+    # decode sizes first, prefill last and never a reason to leave: it is paid once per request, and a dtype slow at
+    # prefill may still win on a long answer (bf16 on this project's AVX2 EPYC)
+    keys = (GEMM, 0) if workload == "train" else (*[k for k in _keys(workload) if k != PREFILL], PREFILL)
+    out: dict[str, dict[int, float]] = {d: {} for d in dtypes}
+    racing = list(dtypes)
+    for key in keys:
+        for d in list(racing):
+            out[d][key] = time_one(d, key)
+            if d != "float32" and key != PREFILL and out[d][key] > EMULATED * out["float32"][key]:
+                racing.remove(d)
+    return out
+
+
+def _complete(found: dict[str, dict[int, float]]) -> tuple[dict[str, dict[int, float]], dict[str, str]]:
+    """(the dtypes timed at every key, stripped of the GEMM probe; why each other one left the race)."""
+    full = set(found["float32"])
+    curves = {d: {k: v for k, v in c.items() if k != GEMM} for d, c in found.items() if set(c) == full}
+    skipped = {}
+    for d, c in found.items():
+        if d in curves:
+            continue
+        key = max(c, key=lambda k: c[k] / found["float32"][k])
+        what = {GEMM: "a 512² GEMM", PREFILL: f"prefill of {PREFIX} tokens"}.get(key, f"t({key})")
+        skipped[d] = f"{what} took {c[key]:.1f} ms against fp32's {found['float32'][key]:.1f}"
+    return curves, skipped
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,8 +391,12 @@ def _probe(config, layers: int, dtype: torch.dtype, prepare) -> nn.Module:
 
 
 def _best_ms(fn: Callable[[], object], reps: int = 7) -> float:
-    """The fastest of ``reps`` calls after one warm-up: on a shared machine the minimum is the least disturbed."""
+    """The fastest of ``reps`` calls after one warm-up: on a shared machine the minimum is the least disturbed. A
+    warm-up over half a second (an emulated dtype) is followed by one timed call only."""
+    t = time.perf_counter()
     fn()  # one-off kernel selection and allocation
+    if time.perf_counter() - t > 0.5:
+        reps = 1
     times = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -368,27 +442,40 @@ def _train_ms(model: nn.Module, dtype: torch.dtype, vocab: int) -> float:
 def measure_curves(
     workload: str, config, dtypes: Sequence[str], prepare: Callable[[nn.Module], object] | None = None
 ) -> dict[str, dict[int, float]]:
-    """dtype → rows → ms of ``workload`` for a full target of ``config``, from probes with 1 and ``PROBE_LAYERS``
-    layers. The dtypes are timed in turn at each size, so a machine that slows down for a while (a shared host)
-    slows both alike instead of deciding the comparison."""
+    """dtype → key → ms of ``workload`` for a full target of ``config`` (`_race`), from probes with 1 and
+    ``PROBE_LAYERS`` layers: a full forward is ``t1 + (L - 1)(tn - t1) / (n - 1)``."""
     text = config.get_text_config()
     layers, vocab = text.num_hidden_layers, text.vocab_size
-    if workload == "train":  # one drafter-sized layer and the head, as trained; autocast over fp32 weights
-        model = _probe(text, 1, torch.float32, None)
-        return {name: {0: _train_ms(model, getattr(torch, name), vocab)} for name in dtypes}
     deep = min(PROBE_LAYERS, layers)
-    probes = {name: [_probe(text, n, getattr(torch, name), prepare) for n in (1, deep)] for name in dtypes}
-    out: dict[str, dict[int, float]] = {name: {} for name in dtypes}
-    for rows in _rows(workload):
-        batch, m = (DISTILL_BATCH, 1) if workload == "distill" else (1, rows)
-        for name in list(probes):
-            t1, tn = (_decode_ms(p, m, batch, vocab) for p in probes[name])
-            per_layer = (tn - t1) / (deep - 1) if deep > 1 else 0.0
-            out[name][rows] = t1 + (layers - 1) * max(per_layer, 0.0)
-            fp32 = out.get("float32", {}).get(rows)
-            if name != "float32" and fp32 is not None and out[name][rows] > EMULATED * fp32:
-                del probes[name]  # emulated: ~100x slower, its larger shapes would take minutes and decide nothing
-    return out
+    probes: dict[str, list[nn.Module]] = {}
+
+    def full(name: str, run: Callable[[nn.Module], float]) -> float:
+        if name not in probes:
+            probes[name] = [_probe(text, n, getattr(torch, name), prepare) for n in (1, deep)]
+        t1, tn = (run(p) for p in probes[name])
+        per_layer = (tn - t1) / (deep - 1) if deep > 1 else 0.0
+        return t1 + (layers - 1) * max(per_layer, 0.0)
+
+    def time_one(name: str, key: int) -> float:
+        dtype = getattr(torch, name)
+        if key == GEMM:
+            return 1e3 * _matmul_seconds(dtype)
+        if workload == "train":  # one drafter-sized layer and the head, as trained; autocast over fp32 weights
+            return _train_ms(_probe(text, 1, torch.float32, None), dtype, vocab)
+        if key == PREFILL:
+            tokens = PREFIX * (DISTILL_BATCH if workload == "distill" else 1)
+            return full(name, lambda p: _prefill_ms(p, vocab)) * tokens / PREFILL_CHUNK
+        batch, rows = (DISTILL_BATCH, 1) if workload == "distill" else (1, key)
+        return full(name, lambda p: _decode_ms(p, rows, batch, vocab))
+
+    return _race(workload, dtypes, time_one)
+
+
+@torch.no_grad()
+def _prefill_ms(model: nn.Module, vocab: int) -> float:
+    """One uncached forward of ``PREFILL_CHUNK`` tokens (only the last position's logits, as a prefill keeps)."""
+    ids = torch.randint(vocab, (1, PREFILL_CHUNK), generator=torch.Generator().manual_seed(0))
+    return _best_ms(lambda: model(input_ids=ids, logits_to_keep=1), reps=3)
 
 
 def _signature(config) -> dict:
@@ -449,14 +536,12 @@ def _write_cache(path: Path, curves: dict[str, dict[int, float]]) -> None:
 
 
 def cpu_bf16_is_fast(cpu_flags: str | None = None, timer=None) -> bool:
-    """Whether a 512² bf16 matmul beats fp32 by 1.25x here: the quick flag-and-matmul test used only for a choice no
-    workload can be measured for (nothing to take layer shapes from). CPUs without native bf16 are ruled out without
-    timing; ``$DRAFTERS_CPU_BF16`` forces the answer."""
+    """Whether a 512² bf16 matmul beats fp32 by 1.25x here: the quick test used only for a choice no workload can be
+    measured for (nothing to take layer shapes from). ``$DRAFTERS_CPU_BF16`` forces the answer; ``cpu_flags`` (kept
+    for the record: the timing decides on every CPU) and ``timer(dtype) -> seconds`` replace the machine in tests."""
     forced = forced_bf16()
     if forced is not None:
         return forced
-    if not machine(cpu_flags).native_bf16:
-        return False
     timer = timer or _matmul_seconds
     return timer(torch.bfloat16) * 1.25 <= timer(torch.float32)
 

@@ -5,6 +5,7 @@ drafters quickstart [--skip-training] [--prompts N]     # target, one chat answe
 drafters report --drafter DIR [key=value ...]            # τ / speedup report of any checkpoint (eval/report.py)
 drafters bench [args of eval.bench_runtime]              # runtime benchmark of the drafter-free proposers
 drafters build-data [args of train.chat_data]            # self-synthesised, self-distilled chat data (resumable)
+drafters bench-answerer [args of train.answerer]         # self-distillation answer tokens/s beside this machine's limit
 drafters regenerate [args of scripts/regenerate.py]      # self-distillation of an existing chat dataset
 drafters estimate --target CONFIG --recipe YAML [...]    # memory / cache size / tokens per GPU-hour, before a run
 drafters precision [TARGET] [--refresh]                  # the dtype this machine serves, distils and trains in, and why
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         "report": _report,
         "bench": lambda a: _run_module("eval.bench_runtime", a),
         "build-data": lambda a: _run_module("train.chat_data", a),
+        "bench-answerer": lambda a: _run_module("train.answerer", a),
         "regenerate": lambda a: _run_script(ROOT / "scripts" / "regenerate.py", a),
         "estimate": lambda a: _run_script(ROOT / "scripts" / "estimate.py", a),
         "precision": precision,

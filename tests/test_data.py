@@ -442,7 +442,7 @@ def test_regenerate_dataset(tokenizers, tiny_target, tmp_path):
     # the prompt-only row is answered, not skipped
     assert counts["rows_read"] == 4 and sum(counts["skipped"].values()) == 0
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert not (tmp_path / "out.jsonl.tmp").exists() and not (tmp_path / "out.jsonl.partial").exists()
+    assert not (tmp_path / "out.jsonl.tmp").exists() and not (tmp_path / "out.jsonl.shards").exists()
     assert len(out) == counts["rows_written"] == 4
     assert counts["turns_regenerated"] == 5
     assert [m["role"] for m in out[3]["messages"]] == ["user", "assistant"]
@@ -475,9 +475,11 @@ def test_regenerate_dataset(tokenizers, tiny_target, tmp_path):
     assert_masks_exact(tok, ds, [r["messages"] for r in out], "<|end|>")
 
 
-def test_regenerate_resumes_after_a_crash_and_answers_prompt_rows(tokenizers, tiny_target, tmp_path):
-    """A run killed after its first batch resumes from <out>.partial (that batch is not generated again) and
+def test_regenerate_resumes_after_a_crash_and_answers_prompt_rows(tokenizers, tiny_target, tmp_path, monkeypatch):
+    """A run killed after its first batch resumes from the shard it wrote (that batch is not generated again) and
     gives the same file as an uninterrupted run; Spec-Bench `turns` rows are answered turn by turn."""
+    import train.answerer as answerer
+
     tok = tokenizers["reference"]
     rows = [{"question_id": i, "category": "x", "turns": [f"question {i}", "and a follow-up"]} for i in range(5)]
     cfg = DataConfig(path=write_jsonl(tmp_path / "q.jsonl", rows), max_length=256)
@@ -486,24 +488,25 @@ def test_regenerate_resumes_after_a_crash_and_answers_prompt_rows(tokenizers, ti
     assert full["rows_written"] == 5 and full["turns_regenerated"] == 10
 
     calls = []
-    real_generate = tiny_target.generate
+    real_write = answerer._write_shard
 
-    def crash_in_second_batch(*args, **kwargs):
+    def crash_at_the_second_shard(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:  # batch 1 took two calls (two turns); die in batch 2
+        if len(calls) == 2:  # the first two conversations are on disk; die before the next ones are
             raise KeyboardInterrupt
-        return real_generate(*args, **kwargs)
+        return real_write(*args, **kwargs)
 
-    tiny_target.generate = crash_in_second_batch
+    monkeypatch.setattr(answerer, "_write_shard", crash_at_the_second_shard)
     with pytest.raises(KeyboardInterrupt):
         regenerate_dataset(tiny_target, tok, cfg, tmp_path / "out.jsonl", **kw)
-    tiny_target.generate = real_generate
-    partial = tmp_path / "out.jsonl.partial"
-    assert len(partial.read_text().splitlines()) == 2 and not (tmp_path / "out.jsonl").exists()
+    monkeypatch.setattr(answerer, "_write_shard", real_write)
+    shards = tmp_path / "out.jsonl.shards"
+    written = [line for shard in shards.glob("shard-*.jsonl") for line in shard.read_text().splitlines()]
+    assert len(written) == 2 and not (tmp_path / "out.jsonl").exists()
     resumed = regenerate_dataset(tiny_target, tok, cfg, tmp_path / "out.jsonl", **kw)
-    assert resumed["turns_regenerated"] == 6  # batches 2 and 3 only
+    assert resumed["turns_regenerated"] == 6  # the three conversations not on disk only
     assert (tmp_path / "out.jsonl").read_text() == (tmp_path / "full.jsonl").read_text()
-    assert not partial.exists()
+    assert not shards.exists()
 
 
 def test_regenerate_cli_sampling(tokenizers, tiny_target, tmp_path):

@@ -11,10 +11,12 @@ Three kinds of prompts (DESIGN.md §5, REFERENCE.md "Data without hubs"):
 - multi-turn: a share of the conversations gets a second user turn (a follow-up from a fixed list); its answer is
   generated after, and conditioned on, the target's own first answer.
 
-Then the target answers every user turn (self-distillation, batched, greedy by default: the T = 0 report measures
-the target's greedy text). Both stages append finished batches to a jsonl (flushed and fsynced) and resume from it,
-so an interrupted build continues where it stopped; a torn last line is dropped. Requests use one seed per batch;
-greedy answers do not depend on how the rows were batched (up to rounding-level ties).
+Then the target answers every user turn (self-distillation through `train.answerer`, batched and length-bucketed,
+greedy by default: the T = 0 report measures the target's greedy text). Requests are appended per batch to a jsonl
+(flushed and fsynced; a torn last line is dropped); answers go to one shard per finished batch. Both resume, so an
+interrupted build continues where it stopped. Requests use one seed per batch; greedy answers do not depend on how
+the rows were batched (up to rounding-level ties). Under ``accelerate launch`` the ranks share the answering
+(disjoint shards) and the main process merges.
 A held-out share of the magpie prompts becomes the ``chat`` evaluation set instead (never answered for training).
 
     python -m train.chat_data --target smollm2-135m-instruct --out outputs/smollm2-data --magpie 2000 --code 1500
@@ -24,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import gzip
-import hashlib
 import json
 import os
 import random
@@ -37,10 +39,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from eval.measure import prepare_target
 from eval.stdlib_corpus import split_files, stdlib_files
 from infer.generate import generate_vanilla
 from infer.sampling import SamplingParams
 from models.target import TargetModel
+from train.answerer import AnswerConfig, Job, answer, rank_and_world, read_shards
 from train.data import end_of_turn_token_ids, render
 
 CODE_TEMPLATES = (
@@ -218,62 +222,22 @@ def split_heldout(requests: list[dict], heldout: int) -> tuple[list[dict], list[
     return requests[heldout:], requests[:heldout]
 
 
-@torch.no_grad()
 def answer_conversations(
-    target: TargetModel, tokenizer, convs: list[dict], cfg: BuildConfig, path: Path, log=print
+    target: TargetModel, tokenizer, convs: list[dict], cfg: BuildConfig, out: Path, log=print
 ) -> dict:
-    """Answer every user turn of every conversation with the target; appends finished rows to ``path``.
+    """Answer every user turn of every conversation with the target (`train.answerer`: batched, length-bucketed,
+    one shard per finished batch under ``out``, resumable, ranks sharing the work).
 
     Row format: ``{"id", "kind", "messages": [...]}`` (roles user/assistant; the template adds its system turn).
     A conversation whose first answer is empty is skipped and counted; one whose second answer is empty keeps its
-    first exchange.
-    """
-    stop = tuple(end_of_turn_token_ids(tokenizer)) or (tokenizer.eos_token_id,)
-    done = {r["id"] for r in _read_jsonl(path)}
-    # batches of similar prompt length: prompts are left-padded to the longest in a batch, and prefill costs a full
-    # target forward per padded token (a random mix of code tasks and requests wasted ~60 % of it)
-    todo = sorted((c for c in convs if c["id"] not in done), key=lambda c: (len(c["turns"][0]), c["id"]))
-    counts = {"rows_written": 0, "hit_max_new_tokens": 0, "empty_answer": 0, "answer_tokens": 0}
-    bar = tqdm(total=len(convs), initial=len(convs) - len(todo), desc="answers")
-    t0 = time.time()
-    for b in range(0, len(todo), cfg.batch_size):
-        batch = todo[b : b + cfg.batch_size]
-        messages = [[] for _ in batch]
-        alive = list(range(len(batch)))
-        for turn in range(max(len(c["turns"]) for c in batch)):
-            rows = [i for i in alive if turn < len(batch[i]["turns"])]
-            if not rows:
-                break
-            for i in rows:
-                messages[i].append({"role": "user", "content": batch[i]["turns"][turn]})
-            prompts = [
-                tokenizer(render(tokenizer, messages[i], add_generation_prompt=True), add_special_tokens=False)[
-                    "input_ids"
-                ]
-                for i in rows
-            ]
-            seed = int(hashlib.sha256(f"{cfg.seed}:{batch[0]['id']}:{turn}".encode()).hexdigest()[:8], 16)
-            params = SamplingParams(temperature=cfg.answer_temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
-            out = generate_vanilla(target, prompts, params, stop)
-            for i, toks in zip(rows, out.tokens):
-                complete = bool(toks) and toks[-1] in stop
-                counts["hit_max_new_tokens"] += int(not complete)
-                counts["answer_tokens"] += len(toks)
-                text = tokenizer.decode(toks[:-1] if complete else toks, skip_special_tokens=True).strip()
-                if not text:
-                    counts["empty_answer"] += 1
-                    messages[i].pop()  # the unanswered user turn
-                    alive.remove(i)
-                    continue
-                messages[i].append({"role": "assistant", "content": text})
-        finished = [{"id": c["id"], "kind": c["kind"], "messages": m} for c, m in zip(batch, messages) if len(m) >= 2]
-        _append_jsonl(path, finished)
-        counts["rows_written"] += len(finished)
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{counts['answer_tokens'] / (time.time() - t0):.0f}")
-    bar.close()
-    log(f"answers: {json.dumps(counts)}")
-    return counts
+    first exchange."""
+    jobs = [
+        Job(c["id"], [[{"role": "user", "content": t}] for t in c["turns"]], meta={"kind": c["kind"]}) for c in convs
+    ]
+    settings = AnswerConfig(
+        max_new_tokens=cfg.max_new_tokens, temperature=cfg.answer_temperature, batch_size=cfg.batch_size, seed=cfg.seed
+    )
+    return answer(target, tokenizer, jobs, settings, out, desc=out.name, log=log)
 
 
 def add_follow_ups(convs: list[dict], share: float, seed: int) -> list[dict]:
@@ -301,19 +265,31 @@ def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=p
     Spec-Bench format, the ``chat`` evaluation prompts) into ``out_dir`` once the answers are complete."""
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    requests = synthesize_requests(target, tokenizer, cfg, out_dir / "magpie_requests.jsonl", log)
+    _, world = rank_and_world()
+    state = None
+    if world > 1:  # the main process writes the requests; the others then read the finished file
+        from accelerate import PartialState
+
+        state = PartialState()
+    with state.main_process_first() if state is not None else contextlib.nullcontext():
+        requests = synthesize_requests(target, tokenizer, cfg, out_dir / "magpie_requests.jsonl", log)
     train_requests, heldout = split_heldout(requests, cfg.heldout_chat)
     convs = add_follow_ups(train_requests + code_tasks(cfg.code, cfg.seed), cfg.multi_turn, cfg.seed)
     random.Random(cfg.seed + 13).shuffle(convs)
     if cfg.answer_limit:
         convs = convs[: cfg.answer_limit]
     # held-out requests answered too: held-out data for the simulated τ and vocabulary coverage, never trained on
-    answer_conversations(target, tokenizer, heldout, cfg, out_dir / "answers_heldout.jsonl", log)
-    counts = answer_conversations(target, tokenizer, convs, cfg, out_dir / "answers.jsonl", log)
-    answered = {r["id"]: r for r in _read_jsonl(out_dir / "answers.jsonl")}
+    answer_conversations(target, tokenizer, heldout, cfg, out_dir / "answers_heldout", log)
+    counts = answer_conversations(target, tokenizer, convs, cfg, out_dir / "answers", log)
+    if state is not None:  # every rank's shards must be there before the merge
+        state.wait_for_everyone()
+        if not state.is_main_process:
+            return {"this_run": counts}
+    answered = read_shards(out_dir / "answers")
     rows = [answered[c["id"]] for c in convs if c["id"] in answered]
     write_gz(rows, out_dir / "train.jsonl.gz")
-    write_gz(_read_jsonl(out_dir / "answers_heldout.jsonl"), out_dir / "heldout.jsonl.gz")
+    held = read_shards(out_dir / "answers_heldout")
+    write_gz([held[c["id"]] for c in heldout if c["id"] in held], out_dir / "heldout.jsonl.gz")
     with open(out_dir / "chat_heldout.jsonl", "w", encoding="utf-8") as f:
         f.writelines(
             json.dumps({"question_id": r["id"], "category": "chat", "turns": r["turns"]}, ensure_ascii=False) + "\n"
@@ -378,6 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = BuildConfig(**{k: getattr(args, k) for k in vars(BuildConfig())})
     tokenizer = load_tokenizer(args.target)
     target = TargetModel.from_config(TargetConfig(name_or_path=args.target, dtype=args.dtype), "distill")
+    prepare_target(target)  # the routed CPU kernels (infer/kernels/cpu_linear.py) for the batched decode
     print(target.precision.line())
     return build(target, tokenizer, cfg, args.out)
 

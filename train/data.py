@@ -54,7 +54,7 @@ import bisect
 import json
 import os
 import re
-import time
+import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -582,10 +582,10 @@ def regenerate_dataset(
     the template will close them with an end-of-turn token the target did not emit.
 
     Rows of prompts alone (user turns without answers, Spec-Bench ``turns`` or a ``prompt`` column) are answered.
-    Finished batches are appended to ``<out_path>.partial`` as they complete; a rerun with the same arguments
-    resumes after the last complete batch, and the output file appears (atomically) only when all rows are done.
+    The answering is `train.answerer`'s (the project's KV-cached loop, length-bucketed batches): each finished batch
+    is a shard under ``<out_path>.shards/``; a rerun with the same arguments answers only what no shard holds, and
+    the output file appears (atomically, in input order) only when all rows are done, the shards then removed.
     """
-    from tqdm.auto import tqdm
 
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -619,108 +619,53 @@ def regenerate_dataset(
             skipped[reason] += 1
         else:
             conversations.append(messages)
-    # finished batches are appended to <out>.partial (flushed) and skipped on a rerun; the output appears at the end
-    out_path = Path(out_path)
-    partial = out_path.with_name(out_path.name + ".partial")
-    written = []
-    if partial.exists():
-        for line in partial.read_text(encoding="utf-8").splitlines():
-            try:
-                written.append(json.loads(line))
-            except json.JSONDecodeError:  # a torn last line from a crash mid-write
-                break
-    resume_at = (written[-1]["_batch"] + 1) * batch_size if written else 0
+    from models.target import TargetModel
+    from train.answerer import AnswerConfig, Job, answer, read_shards  # it imports this module's render
 
-    eos = model.generation_config.eos_token_id
-    eos = eos if isinstance(eos, list) else [eos]
-    stop_ids = sorted({t for t in [*eos, tokenizer.eos_token_id, *end_of_turn_token_ids(tokenizer)] if t is not None})
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    sampling = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        if temperature > 0
-        else {"do_sample": False}
+    # one job per conversation: the system / user messages before each original assistant turn are a segment, and the
+    # target answers after each (turn k sees the regenerated turns < k); trailing turns without an answer are dropped
+    jobs = []
+    for i, messages in enumerate(conversations):
+        segments, current = [], []
+        for m in messages:
+            if m["role"] == "assistant":
+                segments.append(current)
+                current = []
+            else:
+                current.append(m)
+        if segments:
+            jobs.append(Job(str(i), segments))
+        else:
+            skipped["no_assistant_turn"] += 1
+    if not isinstance(model, TargetModel):
+        model = TargetModel(model)
+    out_path = Path(out_path)
+    shards = out_path.with_name(out_path.name + ".shards")
+    settings = AnswerConfig(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        batch_size=batch_size,
+        max_length=cfg.max_length,
+        seed=seed,
     )
-    torch.manual_seed(seed)
-    model.eval()
-    counts = Counter(turns_regenerated=0, turns_hit_max_new_tokens=0, rows_cut_short=0)
-    bar = tqdm(
-        total=len(conversations),
-        initial=min(resume_at, len(conversations)),
-        desc="regenerate",
-        disable=not show_progress,
-    )
-    t0, new_tokens = time.time(), 0
-    if resume_at:
-        bar.write(f"regenerate: resuming after {len(written)} written rows ({partial})")
-    for b in range(resume_at, len(conversations), batch_size):
-        # per conversation: the original turns, the rebuilt list, and the index of the next original turn
-        states = [{"source": m, "new": [], "next": 0, "active": True} for m in conversations[b : b + batch_size]]
-        while True:
-            prompts = []
-            for state in states:
-                if not state["active"]:
-                    continue
-                source = state["source"]
-                while state["next"] < len(source) and source[state["next"]]["role"] != "assistant":
-                    state["new"].append(source[state["next"]])
-                    state["next"] += 1
-                if state["next"] == len(source):
-                    state["active"] = False
-                    continue
-                try:
-                    prompt = render(tokenizer, state["new"], True)
-                except jinja2.TemplateError:
-                    _stop(state, "template_error", skipped, counts)
-                    continue
-                ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-                if len(ids) + max_new_tokens > cfg.max_length:
-                    _stop(state, "prompt_too_long", skipped, counts)
-                    continue
-                prompts.append((state, ids))
-            if not prompts:
-                break
-            width = max(len(ids) for _, ids in prompts)
-            input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for _, ids in prompts], device=model.device)
-            attention = torch.tensor(
-                [[0] * (width - len(ids)) + [1] * len(ids) for _, ids in prompts], device=model.device
-            )
-            with torch.no_grad():
-                out = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention,
-                    max_new_tokens=max_new_tokens,
-                    eos_token_id=stop_ids,
-                    pad_token_id=pad_id,
-                    **sampling,
-                )
-            new_tokens += int((out[:, width:] != pad_id).sum())
-            bar.set_postfix(turns=counts["turns_regenerated"], tok_s=f"{new_tokens / (time.time() - t0):.0f}")
-            for (state, _), generated in zip(prompts, out[:, width:].tolist()):
-                stop_at = next((k for k, t in enumerate(generated) if t in stop_ids), None)
-                if stop_at is None:
-                    counts["turns_hit_max_new_tokens"] += 1
-                text = tokenizer.decode(generated[:stop_at], skip_special_tokens=True)
-                if not text.strip():
-                    _stop(state, "empty_generation", skipped, counts)
-                    continue
-                state["new"].append({"role": "assistant", "content": text})
-                state["next"] += 1
-                counts["turns_regenerated"] += 1
-        done = []
-        for state in states:
-            if any(m["role"] == "assistant" for m in state["new"]):
-                last = max(i for i, m in enumerate(state["new"]) if m["role"] == "assistant")
-                done.append({"messages": state["new"][: last + 1], "_batch": b // batch_size})
-        with open(partial, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in done)
-            f.flush()
-            os.fsync(f.fileno())
-        written += done
-        bar.update(len(states))
-    bar.close()
+    # one process answers all and writes the file (the shards still make it resumable)
+    counts = answer(model, tokenizer, jobs, settings, shards, "regenerate", lambda m: None, show_progress, (0, 1))
+    rows = read_shards(shards)
+    written = [rows[j.id] for j in jobs if j.id in rows]
+    for reason, name in (("empty_answer", "empty_generation"), ("prompt_too_long", None), ("template_error", None)):
+        skipped[name or reason] += counts[f"no_answer_{reason}"]  # ended before any answer: the row is skipped
+    cut_short = sum("ended" in row for row in written)
     _write_jsonl_atomic([{"messages": row["messages"]} for row in written], out_path)
-    partial.unlink(missing_ok=True)
-    return {"rows_read": len(raw), "rows_written": len(written), **counts, "skipped": dict(skipped)}
+    shutil.rmtree(shards)
+    return {
+        "rows_read": len(raw),
+        "rows_written": len(written),
+        "turns_regenerated": counts["answers"],
+        "turns_hit_max_new_tokens": counts["hit_max_new_tokens"],
+        "rows_cut_short": cut_short,
+        "skipped": dict(skipped),
+        "tokens_per_s": counts["tokens_per_s"],
+    }
 
 
 def _prompt_rows_as_messages(raw: datasets.Dataset) -> datasets.Dataset:
@@ -744,12 +689,3 @@ def _prompt_rows_as_messages(raw: datasets.Dataset) -> datasets.Dataset:
         return {"messages": out}
 
     return raw.map(to_messages, input_columns=key, remove_columns=raw.column_names)
-
-
-def _stop(state: dict, reason: str, skipped: Counter, counts: Counter) -> None:
-    """End a conversation before its current turn; count it as cut short or, with nothing left, skipped."""
-    state["active"] = False
-    if any(m["role"] == "assistant" for m in state["new"]):
-        counts["rows_cut_short"] += 1
-    else:
-        skipped[reason] += 1

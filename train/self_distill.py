@@ -11,13 +11,14 @@ reused on resume.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import torch
 
 from models.target import TargetModel
+from train.answerer import AnswerConfig, Job, answer, read_shards
 
 
 @dataclass
@@ -40,7 +41,6 @@ class SelfDistillConfig:
             raise ValueError("temperature must be >= 0")
 
 
-@torch.no_grad()
 def write_self_distilled(
     target: TargetModel,
     train_set: datasets.Dataset,
@@ -50,7 +50,9 @@ def write_self_distilled(
     seed: int = 0,
     log=print,
 ) -> None:
-    """Generate ``cfg.samples`` continuations of random training prompts and write them as jsonl rows."""
+    """Continue ``cfg.samples`` random training prompts with the target (`train.answerer`: batched, one shard per
+    finished batch under ``<path>.shards/``, resumable) and write them as one jsonl of ``input_ids`` + ``loss_mask``
+    rows. ``pad_id`` is unused (the answerer's slot layout needs none); kept for the entry scripts' call."""
     rows = train_set.shuffle(seed=seed + 1).filter(lambda ids: len(ids) > cfg.prompt_tokens, input_columns="input_ids")
     if len(rows) < cfg.samples:  # one continuation per prompt: a small split caps the count, said once here
         log(
@@ -58,29 +60,19 @@ def write_self_distilled(
             f"than prompt_tokens={cfg.prompt_tokens}; generating {len(rows)}"
         )
     prompts = [ids[: cfg.prompt_tokens] for ids in rows.select(range(min(cfg.samples, len(rows))))["input_ids"]]
-    torch.manual_seed(seed)
-    sampling = (
-        {"do_sample": True, "temperature": cfg.temperature, "top_k": 0} if cfg.temperature else {"do_sample": False}
+    jobs = [Job(str(i), prompt_ids=list(p)) for i, p in enumerate(prompts)]
+    settings = AnswerConfig(
+        new_tokens=cfg.new_tokens, temperature=cfg.temperature, batch_size=cfg.batch_size, seed=seed
     )
-    out = []
-    for start in range(0, len(prompts), cfg.batch_size):
-        batch = torch.tensor(prompts[start : start + cfg.batch_size], device=target.device)  # equal lengths: no padding
-        generated = target.model.generate(
-            batch,
-            attention_mask=torch.ones_like(batch),
-            max_new_tokens=cfg.new_tokens,
-            min_new_tokens=cfg.new_tokens,
-            eos_token_id=None,
-            pad_token_id=pad_id,
-            **sampling,
-        )
-        out += generated.tolist()
-        log(f"self-distillation: {len(out)}/{len(prompts)} continuations")
     path = Path(path)
+    shards = path.with_name(path.name + ".shards")
+    answer(target, None, jobs, settings, shards, desc="self-distillation", log=log, share=(0, 1))  # main process only
+    done = read_shards(shards)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
-        f.writelines(json.dumps({"input_ids": ids, "loss_mask": [1] * len(ids)}) + "\n" for ids in out)
+        f.writelines(json.dumps({k: done[j.id][k] for k in ("input_ids", "loss_mask")}) + "\n" for j in jobs)
     tmp.replace(path)
+    shutil.rmtree(shards)
 
 
 def load_self_distilled(

@@ -1,0 +1,195 @@
+"""The one answerer (train/answerer.py): turn-by-turn answers from the target's own earlier answers, continuous
+batching that changes nothing, shards that resume, ranks that split the work disjointly, continuations of exact
+length; and the continuous decoder under it (infer/generate.py)."""
+
+import json
+
+import pytest
+
+from infer.generate import generate_vanilla
+from infer.sampling import SamplingParams
+from models.target import TargetModel
+from tests.test_data import backend, tiny_target, tokenizers  # noqa: F401 (fixtures)
+from train.answerer import AnswerConfig, Job, answer, answer_stop_ids, read_shards
+from train.data import render
+
+QUESTIONS = ["hello there", "what is it", "a much longer question about many things", "why", "tell me more please"]
+
+
+def _jobs() -> list[Job]:
+    return [
+        Job(f"q{i}", [[{"role": "user", "content": q}], [{"role": "user", "content": "and then?"}]], meta={"kind": "x"})
+        for i, q in enumerate(QUESTIONS)
+    ]
+
+
+def _ids(tok, messages):
+    return tok(render(tok, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
+def test_chat_answers_follow_the_targets_own_earlier_answers(tokenizers, tiny_target, tmp_path):  # noqa: F811
+    tok, target = tokenizers["reference"], TargetModel(tiny_target)
+    cfg = AnswerConfig(max_new_tokens=6, batch_size=2)
+    counts = answer(target, tok, _jobs(), cfg, tmp_path / "a", log=lambda m: None)
+    rows = read_shards(tmp_path / "a")
+    assert set(rows) == {f"q{i}" for i in range(5)} and counts["rows_written"] == 5
+    stop = answer_stop_ids(tok, target.model)
+    assert tok.convert_tokens_to_ids("<|end|>") in stop and tok.eos_token_id in stop
+    params = SamplingParams(max_new_tokens=6)
+    for i in range(len(QUESTIONS)):  # each answer equals a lone greedy run on the conversation so far
+        msgs = rows[f"q{i}"]["messages"]
+        assert rows[f"q{i}"]["kind"] == "x" and [m["role"] for m in msgs] == ["user", "assistant"] * 2
+        for turn in (1, 3):
+            toks = generate_vanilla(target, [_ids(tok, msgs[:turn])], params, stop).tokens[0]
+            toks = toks[:-1] if toks and toks[-1] in stop else toks
+            assert tok.decode(toks, skip_special_tokens=True).strip() == msgs[turn]["content"]
+    assert counts["answers"] == 10 and counts["answer_tokens"] > 0 and counts["tokens_per_s"] > 0
+
+
+def test_a_rerun_answers_only_what_no_shard_holds(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
+    import train.answerer as answerer
+
+    tok, target = tokenizers["reference"], TargetModel(tiny_target)
+    cfg = AnswerConfig(max_new_tokens=4, batch_size=2)
+    answer(target, tok, _jobs()[:3], cfg, tmp_path / "a", log=lambda m: None)
+    first = read_shards(tmp_path / "a")
+    handed = []
+    real = answerer.decode_continuous
+
+    def recording(target, submit, *rest):
+        def wrapped(n):
+            out = submit(n)
+            handed.extend(key for key, _ in out)
+            return out
+
+        return real(target, wrapped, *rest)
+
+    monkeypatch.setattr(answerer, "decode_continuous", recording)
+    answer(target, tok, _jobs(), cfg, tmp_path / "a", log=lambda m: None)
+    assert sorted(handed) == ["q3", "q3", "q4", "q4"]  # the two new conversations, two turns each
+    rows = read_shards(tmp_path / "a")
+    assert len(rows) == 5 and all(rows[k] == v for k, v in first.items())
+    assert not list((tmp_path / "a").glob("*.tmp"))
+
+
+def test_ranks_write_disjoint_shards_whose_union_is_the_single_process_run(
+    tokenizers,  # noqa: F811
+    tiny_target,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    tok, target = tokenizers["reference"], TargetModel(tiny_target)
+    cfg = AnswerConfig(max_new_tokens=4, batch_size=2)
+    answer(target, tok, _jobs(), cfg, tmp_path / "one", log=lambda m: None)
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        answer(target, tok, _jobs(), cfg, tmp_path / "two", log=lambda m: None)
+    per_rank = {
+        r: {json.loads(line)["id"] for f in (tmp_path / "two").glob(f"shard-r0{r}-*.jsonl") for line in f.open()}
+        for r in (0, 1)
+    }
+    assert per_rank == {0: {"q0", "q2", "q4"}, 1: {"q1", "q3"}}
+    assert read_shards(tmp_path / "two") == read_shards(tmp_path / "one")
+
+
+def test_continuations_have_exactly_their_length_and_every_token_is_a_target(tiny_target, tmp_path):  # noqa: F811
+    target = TargetModel(tiny_target)
+    jobs = [Job(str(i), prompt_ids=list(range(3 + i, 9 + i))) for i in range(3)]
+    answer(target, None, jobs, AnswerConfig(new_tokens=7, batch_size=2), tmp_path / "c", log=lambda m: None)
+    rows = read_shards(tmp_path / "c")
+    for job in jobs:
+        ids = rows[job.id]["input_ids"]
+        assert ids[:6] == job.prompt_ids and len(ids) == 13 and rows[job.id]["loss_mask"] == [1] * 13
+        assert ids[6:] == generate_vanilla(target, [job.prompt_ids], SamplingParams(max_new_tokens=7)).tokens[0]
+
+
+def test_a_conversation_ends_where_its_prompt_outgrows_the_budget(tokenizers, tiny_target, tmp_path):  # noqa: F811
+    tok, target = tokenizers["reference"], TargetModel(tiny_target)
+    first = len(_ids(tok, [{"role": "user", "content": QUESTIONS[0]}]))
+    cfg = AnswerConfig(max_new_tokens=4, batch_size=4, max_length=first + 4)  # room for turn 1 only
+    counts = answer(target, tok, _jobs()[:1], cfg, tmp_path / "e", log=lambda m: None)
+    row = read_shards(tmp_path / "e")["q0"]
+    assert [m["role"] for m in row["messages"]] == ["user", "assistant"] and row["ended"] == "prompt_too_long"
+    assert counts["prompt_too_long"] == 1 and counts["no_answer_prompt_too_long"] == 0
+    tight = AnswerConfig(max_new_tokens=4, max_length=first + 3)  # not even turn 1: no row, counted
+    counts = answer(target, tok, _jobs()[:1], tight, tmp_path / "f", log=lambda m: None)
+    assert read_shards(tmp_path / "f") == {} and counts["no_answer_prompt_too_long"] == 1
+
+
+def test_a_job_is_chat_or_continuation():
+    with pytest.raises(ValueError, match="exactly one"):
+        Job("x")
+    with pytest.raises(ValueError, match="exactly one"):
+        Job("x", [[{"role": "user", "content": "hi"}]], prompt_ids=[1, 2])
+
+
+def test_continuous_batching_gives_each_prompt_its_lone_greedy_answer(tiny_target):  # noqa: F811
+    """Prompts of different lengths joining a running batch of 2 as slots free up (and one prompt of a single token,
+    nothing to prefill), some of them submitted from on_done as a next turn would be: every answer equals the lone
+    greedy run."""
+    from infer.generate import decode_continuous
+
+    target = TargetModel(tiny_target)
+    prompts = {f"p{i}": list(range(2 + i, 2 + i + n)) for i, n in enumerate((5, 1, 9, 3, 12, 2))}
+    later = {"p0": ("p0-next", [7, 8, 9, 10])}
+    waiting = list(prompts.items())
+    answers: dict[str, list[int]] = {}
+
+    def submit(n):
+        out = waiting[:n]
+        del waiting[:n]
+        return out
+
+    def on_done(key, toks):
+        answers[key] = toks
+        if key in later:
+            waiting.insert(0, later[key])
+
+    params = SamplingParams(max_new_tokens=6)
+    stats = decode_continuous(target, submit, on_done, params, (), batch_size=2, refill=1)
+    expected = {**prompts, "p0-next": later["p0"][1]}
+    assert set(answers) == set(expected) and stats.new_tokens == 6 * len(expected)
+    for key, prompt in expected.items():
+        assert answers[key] == generate_vanilla(target, [prompt], params).tokens[0], key
+
+
+def test_static_batching_answers_the_same_and_the_decode_flops_count_every_weight(tokenizers, tiny_target, tmp_path):  # noqa: F811
+    from train.answerer import decode_flops_per_token
+
+    tok, target = tokenizers["reference"], TargetModel(tiny_target)
+    answer(target, tok, _jobs(), AnswerConfig(max_new_tokens=4, batch_size=2), tmp_path / "c", log=lambda m: None)
+    static = AnswerConfig(max_new_tokens=4, batch_size=2, refill=2)
+    answer(target, tok, _jobs(), static, tmp_path / "s", log=lambda m: None)
+    assert read_shards(tmp_path / "s") == read_shards(tmp_path / "c")
+    # the test model: hidden 32, 2 layers, 2 heads of 16, 1 KV head, MLP 64: per layer q, o 32x32, k, v 32x16,
+    # gate / up / down 32x64; the head 32 x vocab; attention 4 · layers · context · 32
+    config = tiny_target.config
+    weights = 2 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64) + 32 * config.vocab_size
+    assert decode_flops_per_token(config, 10) == 2 * weights + 4 * 2 * 10 * 32
+
+
+def test_the_chat_data_build_answers_through_the_answerer_and_resumes(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
+    """`train.chat_data.build` with the request stage and the code tasks replaced by fixed ones (a random tiny model
+    writes no request the filter keeps): held-out requests are answered apart, training conversations (requests, code tasks,
+    follow-ups) land in train.jsonl.gz in their order, and a second build answers nothing again."""
+    import gzip
+
+    import train.chat_data as chat_data
+
+    requests = [{"id": f"magpie-{i}", "kind": "magpie", "batch": 0, "turns": [f"request number {i}"]} for i in range(5)]
+    code = [{"id": f"code-{i}", "kind": "code", "source": "x.py", "turns": [f"explain f{i}()"]} for i in range(2)]
+    monkeypatch.setattr(chat_data, "synthesize_requests", lambda *a, **k: requests)
+    monkeypatch.setattr(chat_data, "code_tasks", lambda n, seed: code[:n])  # the stdlib scan takes a minute
+    tok, target = tokenizers["reference"], TargetModel(tiny_target)
+    cfg = chat_data.BuildConfig(magpie=5, heldout_chat=2, code=2, multi_turn=0.5, max_new_tokens=4, batch_size=3)
+    summary = chat_data.build(target, tok, cfg, tmp_path / "d", log=lambda m: None)
+    with gzip.open(tmp_path / "d" / "train.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f]
+    assert summary["conversations"] == len(rows) == 5 and summary["heldout_chat_prompts"] == 2
+    assert {r["kind"] for r in rows} == {"magpie", "code"} and not {r["id"] for r in rows} & {"magpie-0", "magpie-1"}
+    assert all(m["content"] for r in rows for m in r["messages"]) and summary["multi_turn"] >= 1
+    with gzip.open(tmp_path / "d" / "heldout.jsonl.gz", "rt") as f:
+        assert [json.loads(line)["id"] for line in f] == ["magpie-0", "magpie-1"]
+    again = chat_data.build(target, tok, cfg, tmp_path / "d", log=lambda m: None)
+    assert again["this_run"]["answers"] == 0 and again["conversations"] == 5

@@ -1,0 +1,372 @@
+"""The one answerer: the target writes the text its drafter trains on, for every self-distillation path.
+
+Chat data (`train.chat_data`), regeneration of an existing chat dataset (`train.data.regenerate_dataset`,
+``drafters regenerate``) and raw-text continuations (`train.self_distill`) all hand their work here as `Job`s:
+
+- a chat job is a list of *segments*, the system / user messages that come before each answer; the answers are
+  written in order, answer k seeing the target's own answers before it (turn-by-turn self-distillation);
+- a continuation job is a token prefix continued for exactly ``new_tokens`` tokens (raw text: no stop token).
+
+How it runs: the project's KV-cached vanilla loop with continuous batching (`infer.generate.decode_continuous`: a
+finished row's slot takes the next prompt at once, so a batch never idles down to its longest answer, and new
+prompts join in groups of similar length, so little is left-padded), in the dtype the caller loaded the target in
+(the precision policy's ``distill`` choice by default). Kernel routing (`eval.measure.prepare_target`) is the
+caller's to install: the entry points that only answer do; a training run's self-distillation does not, because the
+routing's layouts are chosen by timing and the run's target must compute the same numbers in every run. Every ``batch_size`` finished jobs become one shard file, written atomically
+(``shard-r<rank>-<n>.jsonl``), so a crash loses at most the jobs in flight and a rerun skips every job already in a
+shard. Under ``accelerate launch`` (or torchrun) rank r of w answers jobs r, r + w, …: the ranks write disjoint
+shards, and `read_shards` returns every rank's rows. A progress bar shows answer tokens/s.
+
+Greedy answers do not depend on the batching (up to the kernels' rounding); at T > 0 one random stream serves the
+run, so a resumed run samples afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+import torch
+from tqdm.auto import tqdm
+
+from eval.measure import prepare_target, stop_ids  # prepare_target: the entry points below
+from infer.generate import decode_continuous
+from infer.sampling import SamplingParams
+from models.target import TargetModel
+from train.data import end_of_turn_token_ids, render
+
+
+@dataclass
+class Job:
+    """One piece of work: ``segments`` (chat) or ``prompt_ids`` (continuation), never both."""
+
+    id: str
+    segments: list[list[dict]] = field(default_factory=list)
+    """Chat: the messages before each answer (system / user roles); one answer is written after each segment."""
+    prompt_ids: list[int] | None = None
+    """Continuation: token ids to continue for ``AnswerConfig.new_tokens`` tokens."""
+    meta: dict = field(default_factory=dict)
+    """Copied into the output row (e.g. ``kind``)."""
+
+    def __post_init__(self) -> None:
+        if bool(self.segments) == (self.prompt_ids is not None):
+            raise ValueError(f"job {self.id!r}: give chat segments or prompt_ids, exactly one of them")
+
+
+@dataclass
+class AnswerConfig:
+    max_new_tokens: int = 384
+    """Cap per chat answer; answers that reach it are kept and counted."""
+    new_tokens: int = 192
+    """Continuations: exactly this many tokens (no stop token)."""
+    temperature: float = 0.0
+    """0 = greedy (what a T = 0 report measures); > 0 samples."""
+    batch_size: int = 32
+    """Rows decoded together (continuous batching: the slots of the running batch)."""
+    refill: int | None = None
+    """Free slots before waiting prompts join the running batch (None: a quarter of the batch); ``batch_size`` is
+    static batching (a batch runs until its longest answer ends), for comparison."""
+    max_length: int | None = None
+    """Chat: a prompt whose length plus max_new_tokens exceeds this ends its conversation there (counted)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.new_tokens < 1 or self.batch_size < 1:
+            raise ValueError("max_new_tokens, new_tokens and batch_size must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+ENDINGS = ("empty_answer", "prompt_too_long", "template_error")
+"""Why a conversation ends before its last segment; a row that ends early carries ``"ended": reason``."""
+
+
+def answer_stop_ids(tokenizer, model) -> tuple[int, ...]:
+    """Where a chat answer ends: the tokenizer's and the generation config's EOS and the template's end-of-turn
+    token(s) (the one definition every self-distillation path uses)."""
+    return tuple(sorted({*stop_ids(tokenizer, model), *end_of_turn_token_ids(tokenizer)}))
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of processes (``accelerate launch`` / torchrun set RANK and WORLD_SIZE)."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def read_shards(out_dir: str | Path) -> dict[str, dict]:
+    """Every row written so far under ``out_dir`` (all ranks), by job id."""
+    rows: dict[str, dict] = {}
+    for shard in sorted(Path(out_dir).glob("shard-r*.jsonl")):
+        for line in shard.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)  # shards are written whole (atomic rename): no torn lines
+            rows[row["id"]] = row
+    return rows
+
+
+def _write_shard(out_dir: Path, rank: int, number: int, rows: list[dict]) -> None:
+    path = out_dir / f"shard-r{rank:02d}-{number:07d}.jsonl"
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _seed(cfg: AnswerConfig, first_id: str, turn: int) -> int:
+    return int(hashlib.sha256(f"{cfg.seed}:{first_id}:{turn}".encode()).hexdigest()[:8], 16)
+
+
+@torch.no_grad()
+def answer(
+    target: TargetModel,
+    tokenizer,  # None for continuation jobs only
+    jobs: list[Job],
+    cfg: AnswerConfig,
+    out_dir: str | Path,
+    desc: str = "answers",
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+    share: tuple[int, int] | None = None,
+) -> dict:
+    """Answer this rank's share of ``jobs`` that no shard in ``out_dir`` holds yet; returns this run's counts.
+    ``share``: (rank, world) of this call; None reads them from the environment (`rank_and_world`), (0, 1) answers
+    everything here (a caller that runs on one process of a launch).
+
+    Chat rows: ``{"id", **meta, "messages": [...]}`` with every segment's messages followed by the target's answer;
+    a conversation ends before a turn whose answer is empty, whose prompt is too long (``cfg.max_length``) or whose
+    template fails (`ENDINGS`: the row then carries ``"ended"``; counted as ``<reason>``, or ``no_answer_<reason>``
+    when it had no answer yet and is not written). Continuation rows: ``{"id", **meta,
+    "input_ids": prompt + continuation, "loss_mask": [1, ...]}``.
+
+    Decoding is continuous (`infer.generate.decode_continuous`): a row that finishes frees its slot for the next
+    prompt, and a conversation's next turn joins the queue as soon as its answer is in (ahead of new conversations,
+    so finished rows, and shards, keep coming). Every ``batch_size`` finished jobs are one shard."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rank, world = share or rank_and_world()
+    done = set(read_shards(out_dir))
+    mine = [(i, j) for i, j in enumerate(jobs) if i % world == rank and j.id not in done]
+    if len({j.prompt_ids is None for _, j in mine}) > 1:
+        raise ValueError("one call answers chat jobs or continuation jobs, not both")
+    chat = bool(mine) and mine[0][1].prompt_ids is None
+    stop = answer_stop_ids(tokenizer, target.model) if chat else ()  # continuations run their full length
+    counts: Counter = Counter(rows_written=0, answer_tokens=0, answers=0, hit_max_new_tokens=0)
+    counts.update({f"{pre}{r}": 0 for pre in ("", "no_answer_") for r in ENDINGS})
+    share = sum(1 for i in range(len(jobs)) if i % world == rank)
+    name = desc if world == 1 else f"{desc} (rank {rank}/{world})"
+    bar = tqdm(total=share, initial=share - len(mine), desc=name, disable=not progress)
+    shard_no = len(list(out_dir.glob(f"shard-r{rank:02d}-*.jsonl")))
+    finished: list[dict] = []
+    t0 = time.time()
+
+    def flush(at_least: int) -> None:
+        nonlocal shard_no
+        if len(finished) >= max(at_least, 1):
+            _write_shard(out_dir, rank, shard_no, finished)
+            shard_no += 1
+            counts["rows_written"] += len(finished)
+            finished.clear()
+
+    def finish(row: dict | None) -> None:
+        if row is not None:
+            finished.append(row)
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{counts['answer_tokens'] / max(time.time() - t0, 1e-9):.0f}")
+        flush(cfg.batch_size)
+
+    convs = {j.id: _Conversation(j) for _, j in mine}
+    queue: list[tuple[str, list[int]]] = []  # (job id, prompt): next turns first, then new jobs by length
+    fresh: list[tuple[str, list[int]]] = []
+    for _, job in mine:
+        if not chat:
+            fresh.append((job.id, list(job.prompt_ids)))
+            continue
+        prompt = convs[job.id].next_prompt(tokenizer, cfg)
+        if prompt is None:
+            counts[convs[job.id].ending_key()] += 1
+            finish(None)
+        else:
+            fresh.append((job.id, prompt))
+    fresh.sort(key=lambda kp: len(kp[1]))  # similar lengths join together: little left padding
+
+    def submit(n: int) -> list[tuple[str, list[int]]]:
+        out = queue[:n]
+        del queue[:n]
+        while len(out) < n and fresh:
+            out.append(fresh.pop(0))
+        return out
+
+    def on_done(key: str, toks: list[int]) -> None:
+        counts["answer_tokens"] += len(toks)
+        counts["answers"] += 1
+        conv = convs[key]
+        if not chat:
+            ids = list(conv.job.prompt_ids) + toks
+            return finish({"id": key, **conv.job.meta, "input_ids": ids, "loss_mask": [1] * len(ids)})
+        complete = bool(toks) and toks[-1] in stop
+        counts["hit_max_new_tokens"] += int(not complete)
+        conv.add_answer(tokenizer.decode(toks[:-1] if complete else toks, skip_special_tokens=True).strip())
+        prompt = conv.next_prompt(tokenizer, cfg) if conv.ended is None else None
+        if prompt is not None:
+            queue.append((key, prompt))
+            return
+        if conv.ended is not None:
+            counts[conv.ending_key()] += 1
+        finish(conv.row())
+
+    params = SamplingParams(
+        temperature=cfg.temperature,
+        max_new_tokens=cfg.max_new_tokens if chat else cfg.new_tokens,
+        seed=_seed(cfg, mine[0][1].id if mine else "", rank),
+    )
+    if mine:
+        decode_continuous(target, submit, on_done, params, stop, cfg.batch_size, cfg.refill)
+    flush(1)
+    bar.close()
+    seconds = time.time() - t0
+    rate = counts["answer_tokens"] / max(seconds, 1e-9)
+    counts = dict(counts, seconds=round(seconds, 1), tokens_per_s=round(rate, 1))
+    log(f"{desc}: {json.dumps(counts)}")
+    return counts
+
+
+class _Conversation:
+    """A chat job in flight: the messages so far, the next segment, and why it ended early (if it did)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job, self.messages, self.turn, self.answered = job, [], 0, 0
+        self.ended: str | None = None
+
+    def next_prompt(self, tokenizer, cfg: AnswerConfig) -> list[int] | None:
+        """The token ids of the next turn's prompt, or None when the conversation is over (``ended`` says why when
+        it ended early)."""
+        if self.turn >= len(self.job.segments):
+            return None
+        self.messages += self.job.segments[self.turn]
+        self.turn += 1
+        try:
+            text = render(tokenizer, self.messages, add_generation_prompt=True)
+        except jinja2.TemplateError:
+            self.ended = "template_error"
+            return None
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if cfg.max_length is not None and len(ids) + cfg.max_new_tokens > cfg.max_length:
+            self.ended = "prompt_too_long"
+            return None
+        return ids
+
+    def add_answer(self, text: str) -> None:
+        if not text:
+            self.ended = "empty_answer"
+            return
+        self.messages.append({"role": "assistant", "content": text})
+        self.answered += 1
+
+    def ending_key(self) -> str:
+        return ("" if self.answered else "no_answer_") + str(self.ended)
+
+    def row(self) -> dict | None:
+        if not self.answered:
+            return None
+        last = max(k for k, m in enumerate(self.messages) if m["role"] == "assistant")
+        row = {"id": self.job.id, **self.job.meta, "messages": self.messages[: last + 1]}
+        return row | ({"ended": self.ended} if self.ended else {})
+
+
+# --------------------------------------------------------------------------------------------------
+# Benchmark: answer tokens/s beside the machine's own limit
+# --------------------------------------------------------------------------------------------------
+
+
+def decode_flops_per_token(config, context: int) -> float:
+    """Multiply-adds x 2 of one decoded token: every weight matrix once (embedding lookup excluded, the head
+    included) plus attention over ``context`` cached tokens (QK^T and PV: 4 · layers · context · heads · head_dim)."""
+    text = config.get_text_config()
+    h, layers, inter = text.hidden_size, text.num_hidden_layers, text.intermediate_size
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", heads) or heads
+    head_dim = getattr(text, "head_dim", None) or h // heads
+    per_layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * inter
+    return 2.0 * (layers * per_layer + h * text.vocab_size) + 4.0 * layers * context * heads * head_dim
+
+
+def gemm_rate(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
+    """FLOP/s of a square n x n GEMM in ``dtype``: what the machine's cores sustain on the easiest dense work."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """``python -m train.answerer`` / ``drafters bench-answerer``: answer N training requests and print answer
+    tokens/s beside this machine's limit (a GEMM-rate probe over the FLOPs of a decode step) and their ratio."""
+    import argparse
+    import gzip
+
+    from models.target import TargetConfig
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument(
+        "--data", default=str(Path(__file__).parent / "shipped_data" / "smollm2-135m-instruct" / "train.jsonl.gz")
+    )
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="fastest", help="fastest: the precision policy's distill choice")
+    ap.add_argument("--static", action="store_true", help="static batching (refill = batch size), for comparison")
+    ap.add_argument("--out", type=Path, default=Path("outputs") / "answerer_bench")
+    args = ap.parse_args(argv)
+
+    from models.target import load_tokenizer
+
+    tokenizer = load_tokenizer(args.target)
+    target = TargetModel.from_config(TargetConfig(name_or_path=args.target, dtype=args.dtype), "distill")
+    prepare_target(target)
+    print(target.precision.line())
+    with gzip.open(args.data, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line, _ in zip(f, range(args.requests))]
+    jobs = [Job(r["id"], [[m for m in r["messages"] if m["role"] == "user"][:1]]) for r in rows]
+    out = args.out / f"run-{int(time.time())}"
+    refill = args.batch_size if args.static else None
+    cfg = AnswerConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, refill=refill)
+    counts = answer(target, tokenizer, jobs, cfg, out)
+    prompt_len = sum(len(_Conversation(j).next_prompt(tokenizer, cfg) or []) for j in jobs) / len(jobs)
+    flops = decode_flops_per_token(target.config, int(prompt_len + args.max_new_tokens / 2))
+    rate = gemm_rate(target.dtype)
+    limit = rate / flops
+    result = {
+        **counts,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "batch_size": args.batch_size,
+        "batching": "static" if args.static else "continuous",
+        "gemm_gflops": rate / 1e9,
+        "decode_gflop_per_token": flops / 1e9,
+        "limit_tokens_per_s": limit,
+        "ratio_to_limit": counts["tokens_per_s"] / limit,
+    }
+    print(
+        f"answer tokens/s {counts['tokens_per_s']:.1f} at batch {args.batch_size} ({result['batching']} batching) in "
+        f"{result['dtype']}; this machine's "
+        f"limit {limit:.0f} tokens/s (GEMM {rate / 1e9:.0f} GFLOP/s over {flops / 1e9:.2f} GFLOP per decoded token): "
+        f"{result['ratio_to_limit']:.0%} of it"
+    )
+    with open(args.out / "results.jsonl", "a") as f:
+        f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -36,6 +36,7 @@ import jinja2
 import torch
 from tqdm.auto import tqdm
 
+from eval.dtype_curves import gemm_gflops
 from eval.measure import prepare_target, stop_ids  # prepare_target: the entry points below
 from infer.generate import decode_continuous
 from infer.sampling import SamplingParams
@@ -297,18 +298,6 @@ def decode_flops_per_token(config, context: int) -> float:
     return 2.0 * (layers * per_layer + h * text.vocab_size) + 4.0 * layers * context * heads * head_dim
 
 
-def gemm_rate(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
-    """FLOP/s of a square n x n GEMM in ``dtype``: what the machine's cores sustain on the easiest dense work."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
 def main(argv: list[str] | None = None) -> dict:
     """``python -m train.answerer`` / ``drafters bench-answerer``: answer N training requests and print answer
     tokens/s beside this machine's limit (a GEMM-rate probe over the FLOPs of a decode step) and their ratio."""
@@ -345,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
     counts = answer(target, tokenizer, jobs, cfg, out)
     prompt_len = sum(len(_Conversation(j).next_prompt(tokenizer, cfg) or []) for j in jobs) / len(jobs)
     flops = decode_flops_per_token(target.config, int(prompt_len + args.max_new_tokens / 2))
-    rate = gemm_rate(target.dtype)
+    rate = gemm_gflops(target.dtype, 1024) * 1e9  # what the cores sustain on the easiest dense work
     limit = rate / flops
     result = {
         **counts,

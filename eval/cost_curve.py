@@ -160,11 +160,14 @@ def size_chain(
     log: Callable[[str], None] = print,
     prior: list[float] | None = None,
     prior_samples: int = 0,
+    baseline: TargetModel | None = None,
 ) -> ChainSizing:
     """Pick a proposer's chain length on this machine: a pilot run at ``max_k`` (`PILOT_PROMPTS` prompts,
     `PILOT_TOKENS` tokens) gives per-depth acceptance counts, draft-step and bookkeeping costs; the counts are shrunk
     toward the checkpoint's held-out acceptance ``prior`` (`shrunk_alpha`); `verify_costs` gives t_verify(n) here
-    and now; the length with the best predicted rate wins (`best_chain_length`)."""
+    and now; the length with the best predicted rate wins (`best_chain_length`). ``baseline``: vanilla's target in
+    another dtype (`eval.measure.serving_targets`); the predicted speedup is then over the faster vanilla step of the
+    two, as the measurement's is."""
     stats = [
         generate_speculative(target, make(max_k), [p], SamplingParams(max_new_tokens=PILOT_TOKENS), eos_ids).stats
         for p in prompts[:PILOT_PROMPTS]
@@ -177,6 +180,7 @@ def size_chain(
     overhead = sum(s.bookkeeping_s for s in stats) / rounds
     aux = make(1).signal is TargetSignal.AUX
     curve, vanilla_step = step_costs(target, prompts[0], tuple(range(1, max_k + 2)), SIZING_REPS, aux)
+    vanilla_step = _fastest_vanilla(vanilla_step, baseline, prompts[0])
     k, rates = best_chain_length(alpha, draft_step, curve, overhead)
     sizing = ChainSizing(k, alpha, att, prior, prior_samples, draft_step, overhead, curve, rates, vanilla_step)
     log(f"cost curve: {sizing.account()}")
@@ -229,6 +233,7 @@ def size_tree(
     eos_ids: tuple[int, ...],
     grid: tuple[DynamicTreeConfig, ...] = TREE_GRID,
     log: Callable[[str], None] = print,
+    baseline: TargetModel | None = None,
 ) -> TreeSizing:
     """Pick an EAGLE-2 tree (top-k, depth, total tokens) on this machine: for each setting of ``grid``, a pilot of
     `PILOT_PROMPTS` x `PILOT_TOKENS` gives τ and the draft and bookkeeping cost per round, `verify_costs` the
@@ -237,6 +242,7 @@ def size_tree(
     signal = make(grid[0]).signal
     sizes = tuple(sorted({1, *(g.total_tokens for g in grid)}))
     curve, vanilla_step = step_costs(target, prompts[0], sizes, SIZING_REPS, signal is TargetSignal.AUX)
+    vanilla_step = _fastest_vanilla(vanilla_step, baseline, prompts[0])
     taus, rates = {}, {}
     for tree in grid:
         stats = [
@@ -258,6 +264,13 @@ def verify_costs(target: TargetModel, context: list[int], sizes: tuple[int, ...]
     """Seconds of ``verify_tree`` over a chain of n nodes after ``context`` (the fastest of ``reps``); the cache is
     cut back after each call so every call sees the same context length."""
     return step_costs(target, context, sizes, reps, aux, vanilla=False)[0]
+
+
+def _fastest_vanilla(served_step: float, baseline: TargetModel | None, context: list[int]) -> float:
+    """The served dtype's vanilla step, or vanilla's in the baseline's dtype where that is faster."""
+    if baseline is None:
+        return served_step
+    return min(served_step, vanilla_step_cost(baseline.model, context, SIZING_REPS))
 
 
 def step_costs(

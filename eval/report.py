@@ -281,14 +281,14 @@ def run_report(
     ids = [p.ids for p in prompts]
     tree_sizing = None
     if cfg.chain_from_cost_curve and cfg.tree_total_tokens:
-        cfg, tree_sizing = _sized_tree(target, drafters, cfg, ids, eos, log)
+        cfg, tree_sizing = _sized_tree(target, drafters, cfg, ids, eos, log, vanilla_target)
     chains: list[tuple[str, Callable[[int], Proposer], ChainSizing]] = []
 
     def sizer(folder: str | Path | None, proposer: str) -> ChainSizer:
         prior, samples = heldout_acceptance(folder) if folder is not None else (None, 0)
 
         def size(make: Callable[[int], Proposer], longest: int) -> int:
-            sized = size_chain(target, make, ids, longest, eos, log, prior, samples)
+            sized = size_chain(target, make, ids, longest, eos, log, prior, samples, baseline=vanilla_target)
             chains.append((proposer, make, sized))
             return sized.k
 
@@ -348,7 +348,9 @@ def _dtype_of(module: torch.nn.Module) -> str:
     return "float32" if first is None else str(first.dtype).removeprefix("torch.")
 
 
-def _sized_tree(target, drafters, cfg: ReportConfig, ids, eos, log) -> tuple[ReportConfig, TreeSizing | None]:
+def _sized_tree(
+    target, drafters, cfg: ReportConfig, ids, eos, log, baseline: TargetModel | None = None
+) -> tuple[ReportConfig, TreeSizing | None]:
     """``cfg`` with the EAGLE-2 tree chosen on this machine (`size_tree`) from the first drafter whose family measures
     the report's dynamic tree, and how it was chosen; unchanged and None when none does (their trees are their own:
     static, top-k)."""
@@ -366,7 +368,7 @@ def _sized_tree(target, drafters, cfg: ReportConfig, ids, eos, log) -> tuple[Rep
 
         probe = dataclasses.replace(cfg, chain_k=0)
         if any(s.setting == cfg.tree_name for s in fam.report_proposers(drafter, probe, lambda m, k: k)):
-            sized = size_tree(target, make, ids, eos, log=log)
+            sized = size_tree(target, make, ids, eos, log=log, baseline=baseline)
             tree = sized.tree
             chosen = dataclasses.replace(
                 cfg, tree_top_k=tree.top_k, tree_depth=tree.depth, tree_total_tokens=tree.total_tokens

@@ -156,3 +156,15 @@ def test_tree_sizing_pilots_every_setting_and_rates_it_on_the_verify_curve(tiny_
         assert 2.0 < sizing.tau[tree_name(g)] <= g.depth + 1
         assert sizing.predicted_speedup(tree_name(g)) > 0
     assert set(sizing.verify_s) == {1, 4, 8} and sizing.vanilla_step_s > 0  # the curve it was rated on
+
+
+def test_sizing_predicts_against_the_faster_vanilla_of_the_two_dtypes(tiny_target):
+    """With vanilla's target in another dtype (the report's baseline), a sizing's predicted speedup is over the
+    faster of the two vanilla steps, as the measured speedup is."""
+    from eval.cost_curve import _fastest_vanilla, vanilla_step_cost
+    from eval.measure import dtype_copy
+
+    other = dtype_copy(tiny_target, torch.bfloat16, lambda m: None)
+    assert _fastest_vanilla(1e-12, other, PROMPTS[0]) == 1e-12  # the served step was faster
+    assert _fastest_vanilla(60.0, other, PROMPTS[0]) < 60.0  # the other dtype's step (milliseconds) was
+    assert _fastest_vanilla(60.0, None, PROMPTS[0]) == 60.0 and vanilla_step_cost(other.model, PROMPTS[0], 2) > 0

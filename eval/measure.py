@@ -339,6 +339,11 @@ def measure(
                 # one vanilla step (a target forward over one token per row), the t_target(1) of DESIGN.md §4
                 vanilla_rounds = max(1, sum(s.rounds for s in v["stats"]))
                 vanilla_step = sum(s.verify_s for s in v["stats"]) / vanilla_rounds
+                # predictions are over the faster of the two dtypes' vanilla steps, as the measured speedup is
+                baseline_step = vanilla_step
+                if vanilla_target is not None:
+                    rounds = max(1, sum(s.rounds for s in vo["stats"]))
+                    baseline_step = min(vanilla_step, sum(s.verify_s for s in vo["stats"]) / rounds)
                 common = {
                     "category": cat,
                     "temperature": temp,
@@ -393,9 +398,9 @@ def measure(
                         )
                         row["tau"] = merged.tau
                         row["alpha"] = alpha_of(m["stats"])
-                        row["predicted_speedup"] = merged.predicted_speedup(vanilla_step)
+                        row["predicted_speedup"] = merged.predicted_speedup(baseline_step)
                         row["step_ms"] = {k: 1e3 * x for k, x in merged.step_costs().items()} | {
-                            "vanilla": 1e3 * vanilla_step
+                            "vanilla": 1e3 * baseline_step
                         }
                     rows.append(row)
                     _log_row(log, row)

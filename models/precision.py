@@ -535,10 +535,10 @@ def _write_cache(path: Path, curves: dict[str, dict[int, float]]) -> None:
     os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
 
 
-def cpu_bf16_is_fast(cpu_flags: str | None = None, timer=None) -> bool:
+def cpu_bf16_is_fast(timer=None) -> bool:
     """Whether a 512² bf16 matmul beats fp32 by 1.25x here: the quick test used only for a choice no workload can be
-    measured for (nothing to take layer shapes from). ``$DRAFTERS_CPU_BF16`` forces the answer; ``cpu_flags`` (kept
-    for the record: the timing decides on every CPU) and ``timer(dtype) -> seconds`` replace the machine in tests."""
+    measured for (nothing to take layer shapes from). Timed on every CPU, whatever its flags; ``$DRAFTERS_CPU_BF16``
+    forces the answer; ``timer(dtype) -> seconds`` replaces the machine in tests."""
     forced = forced_bf16()
     if forced is not None:
         return forced

@@ -82,6 +82,8 @@ def test_vanilla_in_its_fastest_dtype_is_the_baseline_when_serving_in_another(ti
         assert set(by) == {"float32", "bfloat16"} and r["vanilla_tokens_per_s"] == max(by.values())
         assert r["vanilla_dtype"] == max(by, key=by.get) and r["dtype"] == "float32"
         assert r["greedy_identical"] == 1.0  # against fp32 vanilla, the served dtype
+        # the prediction's vanilla step is the faster dtype's, like the measured speedup's baseline
+        assert r["step_ms"]["vanilla"] <= r["vanilla_ms"]["forward"]
     write_report(tmp_path, "test", "tiny", rows)
     assert "vanilla baseline (the fastest of our loop and HF generate) ran in" in (tmp_path / "report.md").read_text()
 

@@ -153,7 +153,7 @@ def test_the_environment_forces_the_choice_and_refuses_nonsense(monkeypatch, tmp
     cfg = TargetConfig(name_or_path=str(tmp_path), dtype="fastest", device="cpu")
     for value, bf16 in (("fast", True), ("slow", False), ("FAST", True)):
         monkeypatch.setenv(CPU_BF16_ENV, value)
-        assert cpu_bf16_is_fast("fpu avx2", timer=never) is bf16
+        assert cpu_bf16_is_fast(timer=never) is bf16
         assert choose("serve", timer=never, cpuinfo=EPYC).source == "forced"
         assert mixed_precision("auto")[0] == ("bf16" if bf16 else "no") or torch.cuda.is_available()
         target = TargetModel.from_config(cfg)
@@ -166,10 +166,8 @@ def test_the_environment_forces_the_choice_and_refuses_nonsense(monkeypatch, tmp
 def test_the_quick_matmul_test_is_decided_by_its_timing(measured):
     fast = {torch.bfloat16: 0.001, torch.float32: 0.002}
     slow = {torch.bfloat16: 0.2, torch.float32: 0.002}
-    assert cpu_bf16_is_fast("avx512f amx_bf16 amx_tile", timer=fast.get)
-    assert cpu_bf16_is_fast("avx512_bf16", timer=fast.get)
-    assert not cpu_bf16_is_fast("amx_bf16", timer=slow.get)
-    assert cpu_bf16_is_fast("fpu avx2 fma", timer=fast.get)  # measured, never assumed from the flags
+    assert cpu_bf16_is_fast(timer=fast.get)  # on any CPU: measured, never assumed from its flags
+    assert not cpu_bf16_is_fast(timer=slow.get)
 
 
 def test_a_real_measurement_is_cached_per_machine_and_target(measured, tmp_path):

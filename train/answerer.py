@@ -120,8 +120,9 @@ def _write_shard(out_dir: Path, rank: int, number: int, rows: list[dict]) -> Non
     os.replace(tmp, path)
 
 
-def _seed(cfg: AnswerConfig, first_id: str, turn: int) -> int:
-    return int(hashlib.sha256(f"{cfg.seed}:{first_id}:{turn}".encode()).hexdigest()[:8], 16)
+def _seed(cfg: AnswerConfig, first_id: str, rank: int) -> int:
+    """The run's random stream: from the config's seed, the first job and the rank (ranks sample apart)."""
+    return int(hashlib.sha256(f"{cfg.seed}:{first_id}:{rank}".encode()).hexdigest()[:8], 16)
 
 
 @torch.no_grad()

@@ -49,6 +49,7 @@ from eval.measure import (
 from eval.prompts import CATEGORIES, builtin_prompts, encode_turns, load_prompt_file
 from infer.family import ChainSizer, family_of, load_drafter
 from infer.generate import generate_vanilla
+from infer.hybrid import HybridProposer
 from infer.proposer import Proposer
 from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
@@ -119,6 +120,9 @@ class ReportConfig:
     typical_acceptance: bool = False
     """Read by the Medusa family (infer/medusa_proposer.py): also measure each Medusa drafter's chain with Medusa's
     typical acceptance (lossy: such rows are labelled "(lossy)" and have no identity check)."""
+    hybrid_lookup: int = 8
+    """The hybrid row (infer/hybrid.py): the drafter's last setting (its tree where it has one) with prompt lookup's
+    chain of up to this many tokens merged into each verify; 0 leaves the row out."""
     compare: list[str] = field(default_factory=list)
     """Other drafter checkpoints (any family) measured in the same run, e.g. the shipped EAGLE-3 beside Medusa."""
     batch_sizes: list[int] = field(default_factory=lambda: [1])
@@ -141,8 +145,8 @@ class ReportConfig:
             raise ValueError("chain_k must be >= 0 and tree_total_tokens 0 or >= 2")
         if self.chain_k == 0 and self.tree_total_tokens == 0:
             raise ValueError("the report needs a chain (chain_k > 0) or a tree (tree_total_tokens > 0)")
-        if self.mtp_top_k < 1:
-            raise ValueError("mtp_top_k must be >= 1")
+        if self.mtp_top_k < 1 or self.hybrid_lookup < 0:
+            raise ValueError("mtp_top_k must be >= 1 and hybrid_lookup >= 0")
         if any(b < 1 for b in self.batch_sizes) or any(t < 0 for t in self.temperatures):
             raise ValueError("batch sizes must be >= 1 and temperatures >= 0")
 
@@ -211,10 +215,22 @@ def candidates(
 
     sizers = sizers if sizers is not None and cfg.chain_from_cost_curve else [longest] * (len(drafters) + 1)
     out = []
-    for drafter, size in zip(drafters, sizers):
+    for i, (drafter, size) in enumerate(zip(drafters, sizers)):
         fam = family_of(drafter)
-        for s in fam.report_proposers(drafter, cfg, size):
+        settings = fam.report_proposers(drafter, cfg, size)
+        for s in settings:
             out.append(Candidate(fam.method, s.setting, s.make, s.spec))
+        if i == 0 and cfg.hybrid_lookup and settings:
+            learned = settings[-1]  # the tree, where the family has one: lookup nodes join a tree best
+            n = cfg.hybrid_lookup
+
+            def make(learned=learned, n=n) -> Proposer:
+                # no cap beyond the sized setting's own: the union holds at most its nodes plus n
+                return HybridProposer(learned.make(), num_draft=n, budget=1 << 10)
+
+            out.append(
+                Candidate(f"{fam.method} + prompt lookup", f"{learned.setting} + lookup {n}", make, learned.spec)
+            )
     draft, how = baseline_draft_model(cfg, target, log)
     if draft is not None:
         draft = draft.to(next(drafters[0].parameters()).device).eval()

@@ -1,6 +1,6 @@
 """Vanilla and speculative generation over one KV-cache layout.
 
-KV layout (both loops): the target's HF ``DynamicCache`` holds ``S`` slots per row, shared by the
+KV layout (both loops): the target's HF cache (`infer.attention.SlackCache`) holds ``S`` slots per row, shared by the
 batch; ``kv_valid[b, s]`` says whether slot ``s`` of row ``b`` holds one of that row's tokens.
 Prompts are left-padded (invalid slots on the left); after a speculative round every row keeps
 only its accepted path, written into the first slots of the round's tree region, so rows that
@@ -20,10 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from infer.accept import AcceptResult, accept_typical
-from infer.attention import additive_mask
+from infer.attention import SlackCache, additive_mask
 from infer.kernels import compact_kv, verify_greedy, verify_rejection
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, target_probs, warp_logits
@@ -126,7 +125,7 @@ class DecodeState:
         self.contexts = [list(p) for p in prompts]  # prompt + emitted tokens; last one is the root
         self.new_tokens: list[list[int]] = [[] for _ in prompts]
         self.active = list(range(len(prompts)))  # original row ids of the rows still in the batch
-        self.cache = DynamicCache()
+        self.cache = SlackCache()
         self.kv_valid = torch.zeros(len(prompts), 0, dtype=torch.bool, device=device)
 
     @property
@@ -158,8 +157,7 @@ class DecodeState:
         keep = torch.tensor([i for i, f in enumerate(finished) if not f], dtype=torch.long, device=self.device)
         self.active = [self.active[i] for i in keep.tolist()]
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, keep)
-            layer.values = layer.values.index_select(0, keep)
+            layer.batch_select_indices(keep)
         self.kv_valid = self.kv_valid.index_select(0, keep)
         return keep
 
@@ -215,7 +213,7 @@ def _vanilla_single(target: TargetModel, prompt: list[int], params: SamplingPara
     stats = GenerationStats(tree_nodes=1)
     t0 = clock(target.device)
     gen = _seeded_generator(params, target.device)
-    model, cache = target.model, DynamicCache()
+    model, cache = target.model, SlackCache()
     if len(prompt) > 1:  # logits of the prompt are never read (HF generate skips them too)
         model(
             input_ids=torch.tensor([prompt[:-1]], device=target.device), cache=cache, use_cache=True, logits_to_keep=1
@@ -330,6 +328,11 @@ def decode_continuous(
         for row in _vanilla_step(target, state, params, gen, stats):
             on_done(keys.pop(row), state.new_tokens[row])
             state.new_tokens[row] = state.contexts[row] = []  # answered: release its text
+        if state.active:  # slots no live row holds (left padding of rows that finished) would be attended forever
+            unused = int(state.kv_valid.any(0).int().argmax())
+            if unused:
+                state.cache.drop_front(unused)
+                state.kv_valid = state.kv_valid[:, unused:]
     stats.total_s = clock(target.device) - t0
     return stats
 

@@ -55,8 +55,9 @@ class PromptLookupProposer(Proposer):
         )
         self.device = torch.device("cpu")
 
-    def candidates(self, ctx: list[int]) -> list[list[int]]:
-        """Up to ``num_candidates`` distinct continuations, most recent match first."""
+    def match(self, ctx: list[int]) -> tuple[int, list[list[int]]]:
+        """(n, continuations): the n-gram size that matched (0: none) and up to ``num_candidates`` distinct
+        continuations of its matches, most recent first."""
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             tail = ctx[-n:]
             found: list[list[int]] = []
@@ -66,10 +67,14 @@ class PromptLookupProposer(Proposer):
                     if cont and cont not in found:
                         found.append(cont)
                         if len(found) == self.num_candidates:
-                            return found
+                            return n, found
             if found:
-                return found
-        return []
+                return n, found
+        return 0, []
+
+    def candidates(self, ctx: list[int]) -> list[list[int]]:
+        """Up to ``num_candidates`` distinct continuations, most recent match first."""
+        return self.match(ctx)[1]
 
     def propose(self, contexts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> DraftTree:
         rows, parents = [], []

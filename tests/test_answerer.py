@@ -2,6 +2,7 @@
 batching that changes nothing, shards that resume, ranks that split the work disjointly, continuations of exact
 length; and the continuous decoder under it (infer/generate.py)."""
 
+import gzip
 import json
 
 import pytest
@@ -86,7 +87,7 @@ def test_ranks_write_disjoint_shards_whose_union_is_the_single_process_run(
         monkeypatch.setenv("WORLD_SIZE", "2")
         answer(target, tok, _jobs(), cfg, tmp_path / "two", log=lambda m: None)
     per_rank = {
-        r: {json.loads(line)["id"] for f in (tmp_path / "two").glob(f"shard-r0{r}-*.jsonl") for line in f.open()}
+        r: {json.loads(line)["id"] for f in (tmp_path / "two").glob(f"shard-r0{r}-*.jsonl.gz") for line in gzip.open(f)}
         for r in (0, 1)
     }
     assert per_rank == {0: {"q0", "q2", "q4"}, 1: {"q1", "q3"}}
@@ -124,10 +125,11 @@ def test_a_job_is_chat_or_continuation():
         Job("x", [[{"role": "user", "content": "hi"}]], prompt_ids=[1, 2])
 
 
-def test_continuous_batching_gives_each_prompt_its_lone_greedy_answer(tiny_target):  # noqa: F811
+def test_continuous_batching_gives_each_prompt_its_lone_greedy_answer(tiny_target, monkeypatch):  # noqa: F811
     """Prompts of different lengths joining a running batch of 2 as slots free up (and one prompt of a single token,
     nothing to prefill), some of them submitted from on_done as a next turn would be: every answer equals the lone
     greedy run."""
+    import infer.generate as generate_module
     from infer.generate import decode_continuous
 
     target = TargetModel(tiny_target)
@@ -147,7 +149,18 @@ def test_continuous_batching_gives_each_prompt_its_lone_greedy_answer(tiny_targe
             waiting.insert(0, later[key])
 
     params = SamplingParams(max_new_tokens=6)
+    widths = []
+    real_step = generate_module._vanilla_step
+
+    def step(target, state, *args):
+        widths.append(state.kv_valid.shape[1])
+        assert all(layer.keys.shape[2] == widths[-1] for layer in state.cache.layers)
+        return real_step(target, state, *args)
+
+    monkeypatch.setattr(generate_module, "_vanilla_step", step)
     stats = decode_continuous(target, submit, on_done, params, (), batch_size=2, refill=1)
+    # slots no live row holds are dropped: the cache never outgrows the longest prompt plus one answer
+    assert max(widths) <= 12 + 6
     expected = {**prompts, "p0-next": later["p0"][1]}
     assert set(answers) == set(expected) and stats.new_tokens == 6 * len(expected)
     for key, prompt in expected.items():
@@ -170,26 +183,71 @@ def test_static_batching_answers_the_same_and_the_decode_flops_count_every_weigh
 
 
 def test_the_chat_data_build_answers_through_the_answerer_and_resumes(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
-    """`train.chat_data.build` with the request stage and the code tasks replaced by fixed ones (a random tiny model
-    writes no request the filter keeps): held-out requests are answered apart, training conversations (requests, code tasks,
-    follow-ups) land in train.jsonl.gz in their order, and a second build answers nothing again."""
-    import gzip
-
+    """`train.chat_data.build` with the request stage, the code tasks and the prose replaced by fixed ones (a random
+    tiny model writes no request the filter keeps): held-out requests of every family are answered apart or kept as
+    evaluation prompts, pass 2 derives tasks from pass-1 answers, a request copying an evaluation prompt is dropped,
+    the data card counts every family, and a second build answers nothing again."""
     import train.chat_data as chat_data
+    import train.families as families
 
-    requests = [{"id": f"magpie-{i}", "kind": "magpie", "batch": 0, "turns": [f"request number {i}"]} for i in range(5)]
-    code = [{"id": f"code-{i}", "kind": "code", "source": "x.py", "turns": [f"explain f{i}()"]} for i in range(2)]
-    monkeypatch.setattr(chat_data, "synthesize_requests", lambda *a, **k: requests)
+    def fake_requests(target, tokenizer, cfg, path, log=print, family="chat", count=-1):
+        kind = "magpie" if family == "chat" else family
+        n = cfg.magpie if count < 0 else count
+        return [{"id": f"{kind}-{i}", "kind": kind, "batch": 0, "turns": [f"{family} request {i}"]} for i in range(n)]
+
+    evaluation = families.evaluation_prompts()[0]
+    code = [{"id": "code-0", "kind": "code", "source": "x.py", "turns": [evaluation]}]  # copies an evaluation prompt
+    code += [{"id": f"code-{i}", "kind": "code", "source": "x.py", "turns": [f"explain f{i}()"]} for i in (1, 2)]
+    prose = [families.Passage(f"doc:{i}:0", f"topic {i}", f"Paragraph {i} says something plain.") for i in range(4)]
+    monkeypatch.setattr(chat_data, "synthesize_requests", fake_requests)
     monkeypatch.setattr(chat_data, "code_tasks", lambda n, seed: code[:n])  # the stdlib scan takes a minute
+    monkeypatch.setattr(chat_data, "prose_passages", lambda split: prose)
     tok, target = tokenizers["reference"], TargetModel(tiny_target)
-    cfg = chat_data.BuildConfig(magpie=5, heldout_chat=2, code=2, multi_turn=0.5, max_new_tokens=4, batch_size=3)
+    cfg = chat_data.BuildConfig(
+        magpie=5, heldout_chat=2, code=3, multi_turn=0.5, max_new_tokens=4, batch_size=3, qa=2, math_reasoning=0,
+        math_templates=1, mt_bench=1, summarization=1, rag=1, translation=1, articles=3, heldout_per_family=1,
+    )  # fmt: skip
+    monkeypatch.setattr(
+        chat_data,
+        "derived_tasks",
+        lambda rows, seed: [
+            {"id": "rag-derived", "kind": "rag", "turns": ["Document 1: " + rows[0]["messages"][1]["content"]]}
+        ],
+    )  # fmt: skip (train/families.py's own derivation: tests/test_families.py)
     summary = chat_data.build(target, tok, cfg, tmp_path / "d", log=lambda m: None)
     with gzip.open(tmp_path / "d" / "train.jsonl.gz", "rt") as f:
         rows = [json.loads(line) for line in f]
-    assert summary["conversations"] == len(rows) == 5 and summary["heldout_chat_prompts"] == 2
-    assert {r["kind"] for r in rows} == {"magpie", "code"} and not {r["id"] for r in rows} & {"magpie-0", "magpie-1"}
+    # pass 1: 3 chat + 2 qa + 1 mt_bench + 2 code (one dropped) + 1 math + 1 summary + 1 rag + 1 translation +
+    # 3 articles; pass 2: 1
+    assert summary["conversations"] == len(rows) == 16 and summary["dropped_as_eval_overlap"] == 1
+    assert rows[-1]["id"] == "rag-derived" and summary["heldout_by_family"] == {"chat": 2, "qa": 1, "mt_bench": 1}
+    kinds = {r["kind"] for r in rows}
+    assert kinds == {
+        "magpie",
+        "qa",
+        "mt_bench",
+        "code",
+        "math_reasoning",
+        "summarization",
+        "rag",
+        "translation",
+        "article",
+    }
+    assert not {r["id"] for r in rows} & {"magpie-0", "magpie-1", "qa-0", "mt_bench-0", "code-0"}
+    assert all(len(r["messages"]) == 4 for r in rows if r["kind"] == "mt_bench")  # always a second turn
     assert all(m["content"] for r in rows for m in r["messages"]) and summary["multi_turn"] >= 1
+    assert set(summary["by_family"]) == {"chat", "code", "mt_bench", "translation", "summarization", "qa",
+                                         "math_reasoning", "rag"}  # fmt: skip
+    assert summary["answer_tokens"] == sum(f["answer_tokens"] for f in summary["by_family"].values()) > 0
+    qa = summary["by_family"]["qa"]
+    card = (tmp_path / "d" / "README.md").read_text()
+    assert f"| qa | {qa['conversations']:,} | {qa['answers']:,} | {qa['answer_tokens']:,} |" in card
     with gzip.open(tmp_path / "d" / "heldout.jsonl.gz", "rt") as f:
         assert [json.loads(line)["id"] for line in f] == ["magpie-0", "magpie-1"]
+    held = [json.loads(line) for line in (tmp_path / "d" / "families_heldout.jsonl").read_text().splitlines()]
+    assert [(r["question_id"], r["category"]) for r in held] == [
+        ("magpie-0", "chat"), ("magpie-1", "chat"), ("qa-0", "qa"), ("mt_bench-0", "mt_bench")
+    ]  # fmt: skip
     again = chat_data.build(target, tok, cfg, tmp_path / "d", log=lambda m: None)
-    assert again["this_run"]["answers"] == 0 and again["conversations"] == 5
+    assert again["this_run"]["first_pass"]["answers"] == again["this_run"]["derived"]["answers"] == 0
+    assert again["conversations"] == 16

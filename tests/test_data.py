@@ -3,6 +3,7 @@ stdlib samples and self-distillation, on a tiny byte-level BPE tokenizer trained
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import sys
@@ -501,7 +502,7 @@ def test_regenerate_resumes_after_a_crash_and_answers_prompt_rows(tokenizers, ti
         regenerate_dataset(tiny_target, tok, cfg, tmp_path / "out.jsonl", **kw)
     monkeypatch.setattr(answerer, "_write_shard", real_write)
     shards = tmp_path / "out.jsonl.shards"
-    written = [line for shard in shards.glob("shard-*.jsonl") for line in shard.read_text().splitlines()]
+    written = [line for shard in shards.glob("shard-*.jsonl.gz") for line in gzip.open(shard, "rt").read().splitlines()]
     assert len(written) == 2 and not (tmp_path / "out.jsonl").exists()
     resumed = regenerate_dataset(tiny_target, tok, cfg, tmp_path / "out.jsonl", **kw)
     assert resumed["turns_regenerated"] == 6  # the three conversations not on disk only

@@ -178,6 +178,41 @@ def test_drop_holes_left_aligns_each_rows_valid_entries_once_holes_dominate():
     assert same_valid is few and same[0] is keys and same[1] is values
 
 
+def test_slack_cache_writes_in_place_and_reads_like_a_dynamic_cache():
+    """`SlackCache` (the target's cache): each update lands in spare slots of one buffer (no copy of the old slots),
+    keys / values read back exactly what a DynamicCache holds, and the runtime's edits (a prefix view assigned back,
+    row selection, dropping leading slots) keep the two in step."""
+    from transformers import DynamicCache
+
+    from infer.attention import SlackCache
+
+    slack, dyn = SlackCache(), DynamicCache()
+    gen = torch.Generator().manual_seed(0)
+    buffers = set()
+    for width in (5, 1, 1, 3, 1):
+        k, v = torch.randn(3, 2, width, 4, generator=gen), torch.randn(3, 2, width, 4, generator=gen)
+        ks, vs = slack.update(k, v, 0)
+        kd, vd = dyn.update(k, v, 0)
+        assert torch.equal(ks, kd) and torch.equal(vs, vd)
+        buffers.add(slack.layers[0]._k.data_ptr())
+    assert len(buffers) == 1  # 11 slots fit the first buffer's slack: nothing was reallocated
+    layer, ref = slack.layers[0], dyn.layers[0]
+    layer.keys, layer.values = layer.keys[:, :, :8], layer.values[:, :, :8]  # the verify step's truncation
+    ref.keys, ref.values = ref.keys[:, :, :8], ref.values[:, :, :8]
+    assert layer.get_seq_length() == 8 and layer._k.data_ptr() in buffers
+    keep = torch.tensor([0, 2])
+    layer.batch_select_indices(keep)
+    ref.batch_select_indices(keep)
+    slack.drop_front(3)
+    ref.keys, ref.values = ref.keys[:, :, 3:], ref.values[:, :, 3:]
+    k, v = torch.randn(2, 2, 2, 4, generator=gen), torch.randn(2, 2, 2, 4, generator=gen)
+    ks, vs = slack.update(k, v, 0)
+    kd, vd = dyn.update(k, v, 0)
+    assert ks.shape == (2, 2, 7, 4) and torch.equal(ks, kd) and torch.equal(vs, vd)
+    layer.keys = kd.clone()  # a tensor that is not a view of the buffer replaces it
+    assert torch.equal(layer.keys, kd) and layer._k.data_ptr() not in buffers
+
+
 def test_draft_model_cache_drops_its_holes_and_stays_token_identical(tiny_target, tiny_draft):
     """A dynamic tree closes ~10 draft slots a round; once they dominate, the draft model's cache is re-packed
     (infer.attention.drop_holes over every layer) and the answer is still the target's own."""

@@ -13,7 +13,7 @@ prompts join in groups of similar length, so little is left-padded), in the dtyp
 (the precision policy's ``distill`` choice by default). Kernel routing (`eval.measure.prepare_target`) is the
 caller's to install: the entry points that only answer do; a training run's self-distillation does not, because the
 routing's layouts are chosen by timing and the run's target must compute the same numbers in every run. Every ``batch_size`` finished jobs become one shard file, written atomically
-(``shard-r<rank>-<n>.jsonl``), so a crash loses at most the jobs in flight and a rerun skips every job already in a
+(``shard-r<rank>-<n>.jsonl.gz``), so a crash loses at most the jobs in flight and a rerun skips every job already in a
 shard. Under ``accelerate launch`` (or torchrun) rank r of w answers jobs r, r + w, …: the ranks write disjoint
 shards, and `read_shards` returns every rank's rows. A progress bar shows answer tokens/s.
 
@@ -23,6 +23,7 @@ run, so a resumed run samples afresh.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -103,18 +104,27 @@ def rank_and_world() -> tuple[int, int]:
 def read_shards(out_dir: str | Path) -> dict[str, dict]:
     """Every row written so far under ``out_dir`` (all ranks), by job id."""
     rows: dict[str, dict] = {}
-    for shard in sorted(Path(out_dir).glob("shard-r*.jsonl")):
-        for line in shard.read_text(encoding="utf-8").splitlines():
+    for shard in sorted(_shards(Path(out_dir))):
+        text = gzip.decompress(shard.read_bytes()).decode("utf-8") if shard.suffix == ".gz" else shard.read_text()
+        for line in text.splitlines():
             row = json.loads(line)  # shards are written whole (atomic rename): no torn lines
             rows[row["id"]] = row
     return rows
 
 
+def _shards(out_dir: Path, rank: int | None = None) -> list[Path]:
+    """Shard files (``.jsonl.gz``; plain ``.jsonl`` from earlier builds are read too) of one rank or of all."""
+    stem = "shard-r*" if rank is None else f"shard-r{rank:02d}-*"
+    return [*out_dir.glob(stem + ".jsonl"), *out_dir.glob(stem + ".jsonl.gz")]
+
+
 def _write_shard(out_dir: Path, rank: int, number: int, rows: list[dict]) -> None:
-    path = out_dir / f"shard-r{rank:02d}-{number:07d}.jsonl"
+    """Compressed (deterministic gzip: no timestamp), so a build's shards can be committed as they come."""
+    path = out_dir / f"shard-r{rank:02d}-{number:07d}.jsonl.gz"
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    with open(tmp, "wb") as f:
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+        f.write(gzip.compress(data, mtime=0))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -164,7 +174,7 @@ def answer(
     share = sum(1 for i in range(len(jobs)) if i % world == rank)
     name = desc if world == 1 else f"{desc} (rank {rank}/{world})"
     bar = tqdm(total=share, initial=share - len(mine), desc=name, disable=not progress)
-    shard_no = len(list(out_dir.glob(f"shard-r{rank:02d}-*.jsonl")))
+    shard_no = len(_shards(out_dir, rank))
     finished: list[dict] = []
     t0 = time.time()
 

@@ -46,6 +46,22 @@ from infer.sampling import SamplingParams
 from models.target import TargetModel
 from train.answerer import AnswerConfig, Job, answer, rank_and_world, read_shards
 from train.data import end_of_turn_token_ids, render
+from train.families import (
+    FAMILIES,
+    KIND_FAMILY,
+    MT_FOLLOW_UPS,
+    OPENERS,
+    SHINGLE,
+    Disjoint,
+    derived_tasks,
+    evaluation_prompts,
+    math_tasks,
+    prose_passages,
+    rag_tasks,
+    summarization_tasks,
+    to_language_tasks,
+    write_tasks,
+)
 
 CODE_TEMPLATES = (
     "Explain what the following Python function does.\n\n```python\n{code}\n```",
@@ -74,6 +90,25 @@ class BuildConfig:
     """Of those, kept out of training as the ``chat`` evaluation prompts."""
     code: int = 1500
     """Templated code tasks from held-in stdlib functions."""
+    qa: int = 600
+    """Steered self-written questions (Natural-Questions-like), after the held-out ones."""
+    math_reasoning: int = 400
+    """Steered self-written math word problems."""
+    math_templates: int = 600
+    """GSM8K-style word problems from templates."""
+    mt_bench: int = 500
+    """Steered writing / role-play / reasoning requests, each with an MT-bench-style second turn."""
+    summarization: int = 500
+    """Summaries of offline prose (pass 1; more come from the target's own articles in pass 2)."""
+    rag: int = 400
+    """Questions over three offline-prose documents (pass 1; more over the target's articles in pass 2)."""
+    translation: int = 800
+    """English prose to translate into German / French / Spanish / Italian / Portuguese; pass 2 translates the
+    target's translations back into English."""
+    articles: int = 800
+    """News-style articles for the target to write; pass 2 summarises them and asks questions over them."""
+    heldout_per_family: int = 16
+    """First steered requests of each family kept out of training (``families_heldout.jsonl``)."""
     multi_turn: float = 0.2
     """Share of conversations that get a second user turn."""
     answer_temperature: float = 0.0
@@ -185,35 +220,44 @@ def code_tasks(n: int, seed: int) -> list[dict]:
 
 
 @torch.no_grad()
-def synthesize_requests(target: TargetModel, tokenizer, cfg: BuildConfig, path: Path, log=print) -> list[dict]:
-    """Magpie: sample user requests from the bare user-turn header until ``cfg.magpie`` pass the filter."""
-    prefix = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False)["input_ids"]
+def synthesize_requests(
+    target: TargetModel, tokenizer, cfg: BuildConfig, path: Path, log=print, family: str = "chat", count: int = -1
+) -> list[dict]:
+    """Magpie: sample user requests from the bare user-turn header until ``count`` (default ``cfg.magpie``) pass the
+    filter. A family with openers (`train.families.OPENERS`) is steered: each row's user turn starts with one of
+    them, and the request is the opener plus what the target wrote after it."""
+    count = cfg.magpie if count < 0 else count
+    header = user_turn_prefix(tokenizer)
+    openers = OPENERS.get(family, ("",))
+    kind = "magpie" if family == "chat" else family
     stop = tuple(end_of_turn_token_ids(tokenizer)) or (tokenizer.eos_token_id,)
     rows = _read_jsonl(path)
     filt = RequestFilter([r["turns"][0] for r in rows])
     batches = len({r["batch"] for r in rows})
-    bar = tqdm(total=cfg.magpie, initial=len(rows), desc="magpie requests")
+    bar = tqdm(total=count, initial=len(rows), desc=f"{family} requests")
     t0, tokens = time.time(), 0
-    while len(rows) < cfg.magpie:
-        params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=128, seed=cfg.seed * 1_000_003 + batches)
-        out = generate_vanilla(target, [prefix] * cfg.batch_size, params, stop)
+    offset = FAMILIES.index(family) * 100_003
+    while len(rows) < count:
+        seed = cfg.seed * 1_000_003 + batches + offset
+        starts = [random.Random(seed * 31 + i).choice(openers) for i in range(cfg.batch_size)]
+        prompts = [tokenizer(header + s, add_special_tokens=False)["input_ids"] for s in starts]
+        params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=128, seed=seed)
+        out = generate_vanilla(target, prompts, params, stop)
         new = []
-        for toks in out.tokens:
+        for start, toks in zip(starts, out.tokens):
             tokens += len(toks)
             complete = bool(toks) and toks[-1] in stop
-            text = tokenizer.decode(toks[:-1] if complete else toks, skip_special_tokens=False).strip()
-            if filt.keep(text, complete) and len(rows) + len(new) < cfg.magpie:
-                new.append(
-                    {"id": f"magpie-{len(rows) + len(new)}", "kind": "magpie", "batch": batches, "turns": [text]}
-                )
+            text = (start + tokenizer.decode(toks[:-1] if complete else toks, skip_special_tokens=False)).strip()
+            if filt.keep(text, complete) and len(rows) + len(new) < count:
+                new.append({"id": f"{kind}-{len(rows) + len(new)}", "kind": kind, "batch": batches, "turns": [text]})
         _append_jsonl(path, new)
         rows += new
         batches += 1
         bar.update(len(new))
         bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.0f}", rejected=sum(filt.rejected.values()))
     bar.close()
-    log(f"magpie: {len(rows)} requests kept; rejected this run {filt.rejected}")
-    return rows[: cfg.magpie]
+    log(f"{family} requests: {len(rows)} kept; rejected this run {filt.rejected}")
+    return rows[:count]
 
 
 def split_heldout(requests: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
@@ -232,7 +276,12 @@ def answer_conversations(
     A conversation whose first answer is empty is skipped and counted; one whose second answer is empty keeps its
     first exchange."""
     jobs = [
-        Job(c["id"], [[{"role": "user", "content": t}] for t in c["turns"]], meta={"kind": c["kind"]}) for c in convs
+        Job(
+            c["id"],
+            [[{"role": "user", "content": t}] for t in c["turns"]],
+            meta={k: v for k, v in c.items() if k not in ("id", "turns", "batch")},
+        )
+        for c in convs
     ]
     settings = AnswerConfig(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.answer_temperature, batch_size=cfg.batch_size, seed=cfg.seed
@@ -241,11 +290,15 @@ def answer_conversations(
 
 
 def add_follow_ups(convs: list[dict], share: float, seed: int) -> list[dict]:
+    """A second user turn: always for ``mt_bench`` (MT-bench's rewrite / constrain follow-ups), for ``share`` of
+    the chat, code and question-answering requests; the templated tasks over passages stay single-turn."""
     rng = random.Random(seed + 11)
     out = []
     for c in convs:
         c = dict(c, turns=list(c["turns"]))
-        if rng.random() < share:
+        if c["kind"] == "mt_bench":
+            c["turns"].append(rng.choice(MT_FOLLOW_UPS))
+        elif c["kind"] in ("magpie", "code", "qa") and rng.random() < share:
             c["turns"].append(rng.choice(FOLLOW_UPS))
         out.append(c)
     return out
@@ -259,82 +312,153 @@ def write_gz(rows: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def family_requests(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=print) -> dict:
+    """Every first-pass request of the build by family: self-written (Magpie, bare for chat, steered for qa / math /
+    mt_bench) and templated (code, math word problems, summaries, RAG and translations over offline prose, articles
+    to write). Returns ``{"train": [...], "heldout": {family: [...]}, "dropped_as_eval_overlap": n}``; held-out
+    requests are the first ``cfg.heldout_per_family`` of each steered family (the first ``cfg.heldout_chat`` for
+    chat), never trained on."""
+    chat = synthesize_requests(target, tokenizer, cfg, out_dir / "magpie_requests.jsonl", log)
+    train, chat_heldout = split_heldout(chat, cfg.heldout_chat)
+    heldout = {"chat": chat_heldout}
+    steered = {"qa": cfg.qa, "math_reasoning": cfg.math_reasoning, "mt_bench": cfg.mt_bench}
+    for family, n in steered.items():
+        if n:
+            rows = synthesize_requests(
+                target, tokenizer, cfg, out_dir / f"{family}_requests.jsonl", log, family, n + cfg.heldout_per_family
+            )
+            train_rows, heldout[family] = split_heldout(rows, cfg.heldout_per_family)
+            train += train_rows
+    train += code_tasks(cfg.code, cfg.seed) + math_tasks(cfg.math_templates, cfg.seed)
+    if cfg.summarization or cfg.rag or cfg.translation:
+        passages = prose_passages("train")
+        train += summarization_tasks(passages, cfg.summarization, cfg.seed) + rag_tasks(passages, cfg.rag, cfg.seed)
+        train += to_language_tasks(passages, cfg.translation, cfg.seed)
+    train += write_tasks(cfg.articles, cfg.seed)
+    disjoint = Disjoint(evaluation_prompts())
+    train = [c for c in train if all(disjoint.ok(t) for t in c["turns"])]
+    return {"train": train, "heldout": heldout, "dropped_as_eval_overlap": disjoint.dropped}
+
+
 def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=print) -> dict:
-    """Both stages, resumable; writes ``train.jsonl.gz`` (training conversations), ``heldout.jsonl.gz`` (the
-    held-out requests answered, for held-out metrics) and ``chat_heldout.jsonl`` (the held-out requests in
-    Spec-Bench format, the ``chat`` evaluation prompts) into ``out_dir`` once the answers are complete."""
+    """Both passes, resumable; writes ``train.jsonl.gz`` (training conversations), ``heldout.jsonl.gz`` (the
+    held-out chat requests answered, for held-out metrics), ``chat_heldout.jsonl`` (those requests in Spec-Bench
+    format, the ``chat`` evaluation prompts) and ``families_heldout.jsonl`` (every held-out request, category = its
+    family: a Spec-Bench-format file disjoint from training) into ``out_dir`` once the answers are complete.
+
+    Pass 1 answers every request (`family_requests`); pass 2 answers the tasks derived from pass-1 answers
+    (`train.families.derived_tasks`: translations back into English, summaries of and RAG over the articles the
+    target wrote)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     _, world = rank_and_world()
     state = None
-    if world > 1:  # the main process writes the requests; the others then read the finished file
+    if world > 1:  # the main process writes the requests; the others then read the finished files
         from accelerate import PartialState
 
         state = PartialState()
     with state.main_process_first() if state is not None else contextlib.nullcontext():
-        requests = synthesize_requests(target, tokenizer, cfg, out_dir / "magpie_requests.jsonl", log)
-    train_requests, heldout = split_heldout(requests, cfg.heldout_chat)
-    convs = add_follow_ups(train_requests + code_tasks(cfg.code, cfg.seed), cfg.multi_turn, cfg.seed)
+        requests = family_requests(target, tokenizer, cfg, out_dir, log)
+    heldout = requests["heldout"]
+    convs = add_follow_ups(requests["train"], cfg.multi_turn, cfg.seed)
     random.Random(cfg.seed + 13).shuffle(convs)
     if cfg.answer_limit:
         convs = convs[: cfg.answer_limit]
     # held-out requests answered too: held-out data for the simulated τ and vocabulary coverage, never trained on
-    answer_conversations(target, tokenizer, heldout, cfg, out_dir / "answers_heldout", log)
+    answer_conversations(target, tokenizer, heldout["chat"], cfg, out_dir / "answers_heldout", log)
     counts = answer_conversations(target, tokenizer, convs, cfg, out_dir / "answers", log)
-    if state is not None:  # every rank's shards must be there before the merge
+    if state is not None:  # every rank's pass-1 shards must be there before pass 2 is derived from them
+        state.wait_for_everyone()
+    answered = read_shards(out_dir / "answers")
+    rows = [answered[c["id"]] for c in convs if c["id"] in answered]
+    disjoint = Disjoint(evaluation_prompts())
+    derived = [c for c in derived_tasks(rows, cfg.seed) if all(disjoint.ok(t) for t in c["turns"])]
+    counts_derived = answer_conversations(target, tokenizer, derived, cfg, out_dir / "answers_derived", log)
+    if state is not None:
         state.wait_for_everyone()
         if not state.is_main_process:
             return {"this_run": counts}
-    answered = read_shards(out_dir / "answers")
-    rows = [answered[c["id"]] for c in convs if c["id"] in answered]
+    answered_derived = read_shards(out_dir / "answers_derived")
+    rows += [answered_derived[c["id"]] for c in derived if c["id"] in answered_derived]
     write_gz(rows, out_dir / "train.jsonl.gz")
     held = read_shards(out_dir / "answers_heldout")
-    write_gz([held[c["id"]] for c in heldout if c["id"] in held], out_dir / "heldout.jsonl.gz")
-    with open(out_dir / "chat_heldout.jsonl", "w", encoding="utf-8") as f:
-        f.writelines(
-            json.dumps({"question_id": r["id"], "category": "chat", "turns": r["turns"]}, ensure_ascii=False) + "\n"
-            for r in heldout
-        )
+    write_gz([held[c["id"]] for c in heldout["chat"] if c["id"] in held], out_dir / "heldout.jsonl.gz")
+    for name, families in (("chat_heldout.jsonl", ("chat",)), ("families_heldout.jsonl", tuple(heldout))):
+        with open(out_dir / name, "w", encoding="utf-8") as f:
+            f.writelines(
+                json.dumps({"question_id": r["id"], "category": fam, "turns": r["turns"]}, ensure_ascii=False) + "\n"
+                for fam in families
+                for r in heldout[fam]
+            )
+    by_family = family_counts(rows, tokenizer)
     summary = {
         "conversations": len(rows),
-        "by_kind": {k: sum(r["kind"] == k for r in rows) for k in ("magpie", "code")},
+        "by_kind": {k: sum(r["kind"] == k for r in rows) for k in sorted({r["kind"] for r in rows})},
+        "by_family": by_family,
+        "answer_tokens": sum(f["answer_tokens"] for f in by_family.values()),
         "multi_turn": sum(len(r["messages"]) > 2 for r in rows),
-        "heldout_chat_prompts": len(heldout),
-        "this_run": counts,
+        "heldout_chat_prompts": len(heldout["chat"]),
+        "heldout_by_family": {k: len(v) for k, v in heldout.items()},
+        "dropped_as_eval_overlap": requests["dropped_as_eval_overlap"] + disjoint.dropped,
+        "this_run": {"first_pass": counts, "derived": counts_derived},
         "minutes_this_run": round((time.time() - t0) / 60, 1),
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out_dir / "README.md").write_text(data_card(rows, heldout, cfg, tokenizer, str(target.name_or_path)))
+    (out_dir / "README.md").write_text(data_card(rows, heldout["chat"], cfg, summary, str(target.name_or_path)))
     log(json.dumps(summary))
     return summary
 
 
-def data_card(rows: list[dict], heldout: list[dict], cfg: BuildConfig, tokenizer, target_name: str) -> str:
-    """What the data is, how it was made and how big it is (token counts with the target's tokenizer)."""
-    answers = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
-    answer_tokens = sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)
-    kinds = {k: sum(r["kind"] == k for r in rows) for k in ("magpie", "code")}
-    two_turn = sum(len(r["messages"]) > 2 for r in rows)
+def family_counts(rows: list[dict], tokenizer) -> dict[str, dict]:
+    """Per family: conversations, answers and answer tokens (the target's tokenizer)."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        fam = KIND_FAMILY.get(r["kind"], r["kind"])
+        answers = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+        entry = out.setdefault(fam, {"conversations": 0, "answers": 0, "answer_tokens": 0})
+        entry["conversations"] += 1
+        entry["answers"] += len(answers)
+        entry["answer_tokens"] += sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)
+    return {f: out[f] for f in FAMILIES if f in out}
+
+
+def data_card(rows: list[dict], heldout: list[dict], cfg: BuildConfig, summary: dict, target_name: str) -> str:
+    """What the data is, how it was made and how big it is, per family (token counts with the target's tokenizer)."""
+    settings = ", ".join(f"{k} {v}" for k, v in vars(cfg).items())
+    table = "\n".join(
+        f"| {fam} | {c['conversations']:,} | {c['answers']:,} | {c['answer_tokens']:,} |"
+        for fam, c in summary["by_family"].items()
+    )
+    kinds = ", ".join(f"{k} {n:,}" for k, n in summary["by_kind"].items())
     return f"""# Self-distilled chat data for {target_name}
 
-Built without any hub by `python -m train.chat_data` (train/chat_data.py; resumable, seed {cfg.seed}) with
-magpie {cfg.magpie}, heldout_chat {cfg.heldout_chat}, code {cfg.code}, multi_turn {cfg.multi_turn}, max_new_tokens
-{cfg.max_new_tokens}, answer_limit {cfg.answer_limit or "none"} (0 or none: every training conversation answered;
-a limit answers a seeded mix of that many, and a rerun with a higher one answers more). The rows:
+Built without any hub by `python -m train.chat_data` (train/chat_data.py, train/families.py; resumable) with
+{settings}.
 
-- {kinds["magpie"]} requests the target wrote itself from the bare ChatML user header (Magpie: T = 1, top-p 0.95,
-  filtered for completeness, length, template text and near-duplicates);
-- {kinds["code"]} templated code tasks (explain / document / review / rewrite / test / complete) around functions of
-  the train split of the Python standard library (`eval/stdlib_corpus.py`);
-- {two_turn} of the conversations ({two_turn / max(1, len(rows)):.0%}) have a second user turn, answered after the
-  target's own first answer;
+| family | conversations | answers | answer tokens |
+|---|---|---|---|
+{table}
+| **all** | {len(rows):,} | {sum(c["answers"] for c in summary["by_family"].values()):,} | {summary["answer_tokens"]:,} |
+
+Rows by kind: {kinds}. {summary["multi_turn"]:,} conversations have a second user turn, answered after the target's
+own first answer.
+
+- chat: requests the target wrote itself from the bare ChatML user header (Magpie: T = 1, top-p 0.95, filtered for
+  completeness, length, template text and near-duplicates), and news-style articles it was asked to write;
+- qa, math_reasoning, mt_bench: requests it wrote after a family's opener (steered Magpie); math also GSM8K-style
+  templated word problems; every mt_bench request has an MT-bench-style second turn;
+- code: templated tasks (explain / document / review / rewrite / test / complete) around functions of the train
+  split of the Python standard library (`eval/stdlib_corpus.py`);
+- summarization, rag, translation: templated tasks over prose of the Python reference manual and the standard
+  library's docstrings (train split), and, in a second pass, over the target's own answers: its articles to
+  summarise or to answer questions over, its translations to translate back into English;
 - every answer written by the target, T = {cfg.answer_temperature} (0 = greedy), at most {cfg.max_new_tokens} tokens.
 
-`train.jsonl.gz`: {len(rows)} conversations, {len(answers)} assistant turns, {answer_tokens:,} answer tokens
-(`messages` rows; the template adds its default system turn). `heldout.jsonl.gz`: the {len(heldout)} held-out
-requests answered the same way, for held-out metrics only. The same requests are the `chat` evaluation prompts
-(`eval/prompts/chat_heldout.jsonl`); they are the first {len(heldout)} requests synthesised and never in
-`train.jsonl.gz` (tests/test_reference.py checks it). License: the target's (Apache-2.0); stdlib code: PSF.
+Disjoint from evaluation: {summary["dropped_as_eval_overlap"]} requests that shared an
+{SHINGLE}-word run with an evaluation prompt file were dropped. Held out (never in `train.jsonl.gz`):
+{", ".join(f"{k} {v}" for k, v in summary["heldout_by_family"].items())} requests, in `families_heldout.jsonl`
+(Spec-Bench format); the {len(heldout)} chat ones are also `chat_heldout.jsonl` and, answered, `heldout.jsonl.gz`.
+License: the target's (Apache-2.0); Python documentation and code: PSF.
 """
 
 

@@ -1,0 +1,83 @@
+"""The hybrid proposer (infer/hybrid.py): prompt lookup and a learned tree in one verify, lossless."""
+
+import pytest
+import torch
+
+from infer.generate import generate_speculative, generate_vanilla
+from infer.hybrid import HybridProposer, _union
+from infer.proposer import Proposer
+from infer.proposers import DraftModelProposer
+from infer.sampling import SamplingParams
+from infer.tree import DraftTree
+from infer.tree_search import DynamicTreeConfig
+from tests.test_generate import GREEDY, PROMPTS
+
+
+def test_union_shares_the_prefix_the_learned_tree_already_has_and_keeps_the_budget():
+    # learned: root 7 → 1 → 2, root → 3, 1 → 4
+    tokens, parents = [7, 1, 3, 2, 4], [-1, 0, 0, 1, 1]
+    t, p = _union(tokens, parents, [1, 2, 5, 6], budget=10, lookup_first=True)
+    assert (t, p) == ([7, 1, 3, 2, 4, 5, 6], [-1, 0, 0, 1, 1, 3, 5])  # 1 → 2 shared, 5 → 6 hang from 2
+    # a strong match keeps the chain first: 5 nodes = root + the chain's 4, the learned 3 and 4 are cut
+    t, p = _union(tokens, parents, [1, 2, 5, 6], budget=5, lookup_first=True)
+    assert (t, p) == ([7, 1, 2, 5, 6], [-1, 0, 1, 2, 3])
+    # a weak one keeps the learned tree first: the chain's new nodes are cut
+    t, p = _union(tokens, parents, [1, 2, 5, 6], budget=5, lookup_first=False)
+    assert (t, p) == (tokens, parents)
+    t, p = _union(tokens, parents, [], budget=3, lookup_first=False)
+    assert (t, p) == ([7, 1, 3], [-1, 0, 0])
+
+
+class Fixed(Proposer):
+    """A learned stand-in that always drafts the same two children of the root (tokens 90, 91)."""
+
+    def propose(self, contexts, params, generator):
+        B = len(contexts)
+        tokens = torch.tensor([[ctx[-1], 90, 91] for ctx in contexts])
+        return DraftTree(tokens, torch.tensor([[-1, 0, 0]] * B), torch.ones(B, 3, dtype=torch.bool))
+
+
+def test_the_step_merges_lookup_by_match_strength():
+    hybrid = HybridProposer(Fixed(), num_draft=4, strong_match=2, weak_tokens=1, budget=16)
+    strong = [5, 6, 7, 8, 9, 5, 6]  # "5 6" matched (n = 2): continue 7 8 9 5
+    weak = [1, 2, 3, 1]  # only "1" matches (n = 1): continue with its first token, 2
+    none = [1, 2, 3]
+    tree = hybrid.propose([strong, weak, none], SamplingParams(), torch.Generator())
+    rows = [[(int(t), int(p)) for t, p, v in zip(*r) if v] for r in zip(tree.tokens, tree.parents, tree.valid)]
+    assert rows[0] == [(6, -1), (90, 0), (91, 0), (7, 0), (8, 3), (9, 4), (5, 5)]
+    assert rows[1] == [(1, -1), (90, 0), (91, 0), (2, 0)]
+    assert rows[2] == [(3, -1), (90, 0), (91, 0)]
+    assert hybrid.steps == {"strong": 1, "weak": 1, "none": 1}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_hybrid_greedy_is_token_identical_with_a_learned_tree(tiny_target, tiny_draft, batch):
+    prompts = PROMPTS[:batch]
+    expected = [generate_vanilla(tiny_target, [p], GREEDY).tokens[0] for p in prompts]
+    learned = DraftModelProposer(tiny_draft, tree=DynamicTreeConfig(top_k=2, depth=3, total_tokens=6))
+    hybrid = HybridProposer(learned, num_draft=5, budget=10)
+    res = generate_speculative(tiny_target, hybrid, prompts, GREEDY)
+    assert res.tokens == expected
+    assert hybrid.steps["strong"] > 0  # the repetitive prompts matched, so lookup nodes were verified
+
+
+def test_hybrid_with_a_sampled_chain_verifies_one_source_per_row(tiny_target, tiny_draft):
+    """At T > 0 a draft-model chain carries its q: rows with a strong match verify the lookup chain one-hot, the
+    others the sampled chain; the answers are reproducible and in the vocabulary."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3)
+    vocab = tiny_target.model.config.vocab_size
+    outs = []
+    for _ in range(2):
+        hybrid = HybridProposer(DraftModelProposer(tiny_draft, k=3), num_draft=4)
+        outs.append(generate_speculative(tiny_target, hybrid, PROMPTS, params).tokens)
+    assert outs[0] == outs[1] and all(0 <= t < vocab for row in outs[0] for t in row)
+    assert hybrid.steps["strong"] > 0
+    # the exactness of the rejection rule on such trees (a q per node, one-hot where deterministic) is
+    # tests/test_accept_montecarlo.py's; here: the tree the rule gets is well formed for both kinds of row
+    hybrid = HybridProposer(DraftModelProposer(tiny_draft, k=3), num_draft=4)
+    hybrid.begin([PROMPTS[0], PROMPTS[3]])
+    tree = hybrid.propose([PROMPTS[0], PROMPTS[3]], params, torch.Generator().manual_seed(0))
+    lookup_row = tree.tokens[0, 1:5].tolist()
+    assert lookup_row == [7, 8, 5, 6]  # "5 6" matched: its continuation, one-hot
+    assert all(float(tree.draft_probs[0, i, t]) == 1.0 for i, t in enumerate(lookup_row))
+    assert torch.allclose(tree.draft_probs[1, :3].sum(-1), torch.ones(3))  # the sampled chain keeps its q

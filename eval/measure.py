@@ -111,12 +111,26 @@ class _Tally:
     def __init__(self) -> None:
         self.by_cat: dict[str, dict] = {}
 
-    def add(self, cat: str, tokens: int, seconds: float, stats: GenerationStats | None, same=0, compared=0, div=None):
-        t = self.by_cat.setdefault(cat, {"tokens": 0, "s": 0.0, "stats": [], "same": 0, "compared": 0, "div": []})
+    def add(
+        self,
+        cat: str,
+        tokens: int,
+        seconds: float,
+        stats: GenerationStats | None,
+        same=0,
+        compared=0,
+        div=None,
+        prompt_tokens: float | None = None,
+    ):
+        t = self.by_cat.setdefault(
+            cat, {"tokens": 0, "s": 0.0, "stats": [], "same": 0, "compared": 0, "div": [], "calls": []}
+        )
         t["tokens"] += tokens
         t["s"] += seconds
         if stats is not None:
             t["stats"].append(stats)
+            if prompt_tokens is not None:  # τ against prompt length (the leaderboard's plot)
+                t["calls"].append([prompt_tokens, stats.new_tokens, stats.rounds])
         t["same"] += same
         t["compared"] += compared
         t["div"] += div or []
@@ -124,7 +138,7 @@ class _Tally:
     def merged(self, cat: str) -> dict:
         if cat != "all":
             return self.by_cat[cat]
-        out = {"tokens": 0, "s": 0.0, "stats": [], "same": 0, "compared": 0, "div": []}
+        out = {"tokens": 0, "s": 0.0, "stats": [], "same": 0, "compared": 0, "div": [], "calls": []}
         for t in self.by_cat.values():
             for k in out:
                 out[k] = out[k] + t[k]
@@ -323,7 +337,9 @@ def measure(
                     res = generate_speculative(target, c.make(), ids, params, eos_ids, spec=c.spec)
                     same, div = identity(certifier, ids, ref.tokens, res.tokens, where) if params.greedy else (0, [])
                     compared = len(batch) if params.greedy else 0
-                    acc[c.key].add(cat, sum(map(len, res.tokens)), res.stats.total_s, res.stats, same, compared, div)
+                    prompt_tokens = sum(map(len, ids)) / len(ids)
+                    tokens = sum(map(len, res.tokens))
+                    acc[c.key].add(cat, tokens, res.stats.total_s, res.stats, same, compared, div, prompt_tokens)
             for cat in ["all", *cats] if len(cats) > 1 else ["all"]:
                 v, h = van.merged(cat), hf.merged(cat)
                 vanilla_tps = v["tokens"] / v["s"]
@@ -386,6 +402,7 @@ def measure(
                         "alpha": [],
                         "predicted_speedup": None,
                         "step_ms": None,
+                        "per_call": m["calls"],  # [mean prompt tokens, new tokens, rounds] per generate call
                     }
                     if m["stats"]:
                         merged = GenerationStats(

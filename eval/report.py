@@ -120,6 +120,9 @@ class ReportConfig:
     typical_acceptance: bool = False
     """Read by the Medusa family (infer/medusa_proposer.py): also measure each Medusa drafter's chain with Medusa's
     typical acceptance (lossy: such rows are labelled "(lossy)" and have no identity check)."""
+    hf_assisted: bool = False
+    """Also time HF's own assisted generation at batch 1, the outside peer: ``prompt_lookup_num_tokens=10`` and, when
+    the report has a draft model, ``assistant_model`` (rows without τ: HF reports no rounds)."""
     hybrid_lookup: int = 8
     """The hybrid row (infer/hybrid.py): the drafter's last setting (its tree where it has one) with prompt lookup's
     chain of up to this many tokens merged into each verify; 0 leaves the row out."""
@@ -313,6 +316,12 @@ def run_report(
     names = [family_of(d).method for d in drafters] + ["draft model"]
     measured = candidates(drafters, cfg, [sizer(f, n) for f, n in zip(folders, names)], target, log)
     neighbours = _chain_neighbours(measured, chains)
+    assisted = {}
+    if cfg.hf_assisted:
+        assisted["HF prompt lookup (10)"] = dict(prompt_lookup_num_tokens=10, max_matching_ngram_size=2)
+        draft, how = baseline_draft_model(cfg, target, log)
+        if draft is not None:
+            assisted[f"HF assisted (draft model, {how})"] = dict(assistant_model=draft.to(target.device).eval())
     rows = measure(
         target,
         measured + neighbours,
@@ -321,6 +330,7 @@ def run_report(
         temperatures=tuple(cfg.temperatures),
         max_new_tokens=cfg.max_new_tokens,
         batch_sizes=tuple(cfg.batch_sizes),
+        hf_assisted=assisted,
         fp32_certificate=cfg.fp32_certificate,
         vanilla_target=vanilla_target,
         drafter_dtype=_dtype_of(drafters[0]),

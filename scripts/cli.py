@@ -3,6 +3,7 @@
 drafters get-target [NAME] [--out DIR] [--force]        # build a reference target's HF folder (default smollm2-135m-instruct)
 drafters quickstart [--skip-training] [--prompts N]     # target, one chat answer, a short EAGLE-3 run, τ + speedup
 drafters report --drafter DIR [key=value ...]            # τ / speedup report of any checkpoint (eval/report.py)
+drafters leaderboard [key=value ...]                     # every method, categories x T x batch sizes (eval/leaderboard.py)
 drafters bench [args of eval.bench_runtime]              # runtime benchmark of the drafter-free proposers
 drafters build-data [args of train.chat_data]            # self-synthesised, self-distilled chat data (resumable)
 drafters bench-answerer [args of train.answerer]         # self-distillation answer tokens/s beside this machine's limit
@@ -205,6 +206,12 @@ def _report(argv: list[str]) -> None:
     report_main(argv)
 
 
+def _leaderboard(argv: list[str]) -> None:
+    from eval.leaderboard import main as leaderboard_main
+
+    leaderboard_main(argv)
+
+
 def _run_module(name: str, argv: list[str]) -> None:
     sys.argv = [name, *argv]
     runpy.run_module(name, run_name="__main__")
@@ -216,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         "get-target": get_target,
         "quickstart": quickstart,
         "report": _report,
+        "leaderboard": _leaderboard,
         "bench": lambda a: _run_module("eval.bench_runtime", a),
         "build-data": lambda a: _run_module("train.chat_data", a),
         "bench-answerer": lambda a: _run_module("train.answerer", a),

@@ -1,0 +1,403 @@
+"""The leaderboard: every method against one target, on equal terms, in one folder a reader understands at a glance.
+
+    drafters leaderboard                                   # the shipped drafters and baselines, built-in prompts
+    drafters leaderboard drafters=[a,b] prompts_paths=[question.jsonl] temperatures=[0.0] batch_sizes=[1,4]
+    python -m eval.leaderboard --config my_board.yaml out=outputs/board budget_min=60
+
+A *cell* is one prompt source (a Spec-Bench-format file, or one built-in category) at one temperature and one batch
+size. Each cell is one run of the shared report (`eval.report.run_report`, so `eval.measure`'s interleaved timing,
+the cost-curve sizing, the lossless certificate and the report schema): every method is interleaved with vanilla
+prompt by prompt, beside prompt lookup, the small draft model, the hybrid proposer and HF's assisted generation
+(prompt lookup and assistant model, the outside peer). A finished cell keeps its ``report.json`` under
+``cells/<key>/`` and is reused when the same command runs again (a cell whose settings changed runs again); a cell
+that fails is reported with its error and the others go on; once ``budget_min`` has passed no new cell starts (the
+rest are listed as not run, and a rerun does them).
+
+Outputs: ``leaderboard.md`` (Spec-Bench style: speedup per category, mean τ, overall, the lossless evidence and
+the chosen setting of every row), ``leaderboard.csv``, ``leaderboard.json`` (the report schema's rows, each with its
+cell) and PNGs: speedup per category per method, acceptance per draft position, speedup against batch size, τ
+against prompt length.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from models.config import parse_cli
+
+SHIPPED_DRAFTERS = [str(Path(__file__).resolve().parents[1] / "models" / "smollm2_eagle3")]
+"""The drafters the repository ships (published folders), measured by a run without arguments."""
+
+
+@dataclass
+class LeaderboardConfig:
+    target: str | None = None
+    """Target (short name, folder or hub id); None: the first drafter's ``target_name``."""
+    drafters: list[str] = field(default_factory=lambda: list(SHIPPED_DRAFTERS))
+    """Drafter checkpoints (any family); the first one's settings also make the hybrid row."""
+    prompts_paths: list[str] = field(default_factory=list)
+    """Spec-Bench-format jsonl files ({question_id, category, turns}); each is one cell per T and batch size."""
+    categories: list[str] = field(default_factory=lambda: ["chat", "code"])
+    """Built-in categories (eval/prompts.py), one cell each per T and batch size; [] for files only."""
+    prompts: int | None = 4
+    """Prompts per built-in category, and the first N rows of each file (None: files whole, categories 16)."""
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    max_new_tokens: int = 128
+    draft_model: str | None = "cut"
+    """The small draft-model baseline (a distilled folder, or "cut": the target's first layers, labelled)."""
+    hf_assisted: bool = True
+    """HF's assisted generation at batch 1 (prompt lookup, assistant model) beside ours."""
+    hybrid_lookup: int = 8
+    fp32_certificate: bool = True
+    budget_min: float = 45.0
+    """No new cell starts after this many minutes (finished cells are kept; a rerun does the rest)."""
+    out: str = "outputs/leaderboard"
+
+
+@dataclass(frozen=True)
+class Cell:
+    source: str
+    """A prompt file's path, or ``builtin:<category>``."""
+    temperature: float
+    batch_size: int
+
+    @property
+    def key(self) -> str:
+        name = Path(self.source).stem if not self.source.startswith("builtin:") else self.source.split(":", 1)[1]
+        return f"{name}__T{self.temperature:g}__bs{self.batch_size}"
+
+
+def cells_of(cfg: LeaderboardConfig) -> list[Cell]:
+    sources = [*cfg.prompts_paths, *(f"builtin:{c}" for c in cfg.categories)]
+    if not sources:
+        raise ValueError("the leaderboard needs prompts_paths or categories")
+    return [Cell(s, t, b) for s in sources for t in cfg.temperatures for b in cfg.batch_sizes]
+
+
+def report_config(cfg: LeaderboardConfig, cell: Cell):
+    """The shared report's settings for one cell."""
+    from eval.report import ReportConfig
+
+    by_file = not cell.source.startswith("builtin:")
+    return ReportConfig(
+        prompts_path=cell.source if by_file else None,
+        categories=["chat"] if by_file else [cell.source.split(":", 1)[1]],
+        prompts=cfg.prompts,
+        max_new_tokens=cfg.max_new_tokens,
+        temperatures=[cell.temperature],
+        batch_sizes=[cell.batch_size],
+        compare=list(cfg.drafters[1:]),
+        draft_model=cfg.draft_model,
+        hf_assisted=cfg.hf_assisted and cell.batch_size == 1,
+        hybrid_lookup=cfg.hybrid_lookup,
+        fp32_certificate=cfg.fp32_certificate,
+    )
+
+
+def _fingerprint(cfg: LeaderboardConfig, cell: Cell) -> dict:
+    """What a finished cell was measured with: a cell is reused only when the same settings would run it again."""
+    return {"report": asdict(report_config(cfg, cell)), "drafters": cfg.drafters, "target": cfg.target}
+
+
+def run_cells(cfg: LeaderboardConfig, run_cell, log=print) -> list[dict]:
+    """Every cell, resumable: ``run_cell(cell, folder) -> rows`` measures one; returns one status per cell
+    (``done`` / ``reused`` / ``failed`` with the error / ``not run`` past the budget)."""
+    out = Path(cfg.out)
+    statuses, t0 = [], time.time()
+    cells = cells_of(cfg)
+    bar = tqdm(cells, desc="leaderboard cells")
+    for cell in bar:
+        folder = out / "cells" / cell.key
+        stamp = folder / "cell.json"
+        fingerprint = _fingerprint(cfg, cell)
+        entry = {
+            "cell": cell.key,
+            "source": cell.source,
+            "temperature": cell.temperature,
+            "batch_size": cell.batch_size,
+        }
+        if (folder / "report.json").exists() and stamp.exists() and json.loads(stamp.read_text()) == fingerprint:
+            statuses.append(entry | {"status": "reused"})
+            continue
+        if (time.time() - t0) / 60 > cfg.budget_min:
+            statuses.append(entry | {"status": "not run", "why": f"past the {cfg.budget_min:g}-minute budget"})
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "report.json").unlink(missing_ok=True)
+        started = time.time()
+        try:
+            run_cell(cell, folder)
+        except Exception as e:  # a failing cell is reported, the others go on
+            (folder / "error.txt").write_text(traceback.format_exc())
+            log(f"leaderboard: cell {cell.key} failed: {type(e).__name__}: {e}")
+            statuses.append(entry | {"status": "failed", "why": f"{type(e).__name__}: {e}"})
+            continue
+        (folder / "error.txt").unlink(missing_ok=True)
+        stamp.write_text(json.dumps(fingerprint, indent=1) + "\n")
+        statuses.append(entry | {"status": "done", "minutes": round((time.time() - started) / 60, 1)})
+        bar.set_postfix(last=cell.key)
+    return statuses
+
+
+def collect(cfg: LeaderboardConfig, statuses: list[dict]) -> dict:
+    """leaderboard.json: the report schema's rows of every finished cell (each tagged with its cell)."""
+    out, rows, head = Path(cfg.out), [], {}
+    for st in statuses:
+        path = out / "cells" / st["cell"] / "report.json"
+        if st["status"] in ("done", "reused") and path.exists():
+            report = json.loads(path.read_text())
+            head = head or {k: report.get(k) for k in ("target", "machine", "precision")}
+            if isinstance(head.get("machine"), dict):  # the report's machine dict: the plots and tables say its words
+                head["machine"] = head["machine"].get("words", str(head["machine"]))
+            for r in report["results"]:
+                rows.append(r | {"cell": st["cell"], "source": st["source"]})
+    return {**head, "created": time.strftime("%Y-%m-%d %H:%M"), "config": asdict(cfg), "cells": statuses,
+            "results": rows}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ tables
+def method_of(r: dict) -> str:
+    return f"{r['proposer']} ({r['setting']})"
+
+
+def evidence(r: dict) -> str:
+    """The row's lossless evidence in words."""
+    if r.get("lossy"):
+        return "lossy (typical acceptance)"
+    if r["temperature"] > 0:
+        return "lossless rule (rejection sampling)"
+    if r.get("greedy_identical") is None:
+        return "not compared"
+    words = f"greedy identical {r['greedy_identical']:.2f}"
+    if r.get("unexplained_divergences") is not None:
+        words += f", {r['unexplained_divergences']} unexplained"
+    if r.get("greedy_identical_fp32") is not None:
+        words += f", fp32 {r['greedy_identical_fp32']:.2f}"
+    return words
+
+
+def _category_rows(rows: list[dict]) -> list[dict]:
+    """Rows of one category each: a cell's per-category rows, and its "all" row only where it has one category."""
+    by_cell: dict[str, set] = {}
+    for r in rows:
+        by_cell.setdefault(r["cell"], set()).add(r["category"])
+    return [r for r in rows if r["category"] != "all" or by_cell[r["cell"]] == {"all"}]
+
+
+def _category(r: dict) -> str:
+    if r["category"] != "all":
+        return r["category"]
+    return r["source"].split(":", 1)[1] if r["source"].startswith("builtin:") else Path(r["source"]).stem
+
+
+def overall(rows: list[dict]) -> dict:
+    """Over categories: tokens/s over the union of answers against vanilla's, and the token-weighted τ."""
+    tok = sum(r["new_tokens"] for r in rows)
+    secs = sum(r["new_tokens"] / r["tokens_per_s"] for r in rows)
+    vtok = sum(r["vanilla_new_tokens"] for r in rows)
+    vsecs = sum(r["vanilla_new_tokens"] / r["vanilla_tokens_per_s"] for r in rows)
+    with_tau = [r for r in rows if r.get("tau")]
+    rounds = sum(r["new_tokens"] / r["tau"] for r in with_tau)
+    return {
+        "speedup": (tok / secs) / (vtok / vsecs) if secs and vsecs else None,
+        "tau": sum(r["new_tokens"] for r in with_tau) / rounds if rounds else None,
+    }
+
+
+def tables(board: dict) -> list[tuple[float, int, list[str], list[dict]]]:
+    """Per (T, batch size): the categories and one entry per method with its per-category speedups and overall."""
+    rows = _category_rows(board["results"])
+    out = []
+    for temp in sorted({r["temperature"] for r in rows}):
+        for bs in sorted({r["batch_size"] for r in rows}):
+            part = [r for r in rows if r["temperature"] == temp and r["batch_size"] == bs]
+            cats = sorted({_category(r) for r in part})
+            entries = {}
+            for r in part:
+                e = entries.setdefault(method_of(r), {"method": method_of(r), "by_category": {}, "rows": []})
+                e["by_category"][_category(r)] = r["speedup"]
+                e["rows"].append(r)
+            for e in entries.values():
+                e |= overall(e["rows"])
+                e["evidence"] = "; ".join(sorted({evidence(r) for r in e["rows"]}))
+            ranked = sorted(entries.values(), key=lambda e: -(e["speedup"] or 0))
+            out.append((temp, bs, cats, ranked))
+    return out
+
+
+def write_markdown(board: dict, path: Path) -> None:
+    lines = [
+        f"# Leaderboard: speculative decoding on {board.get('target')}",
+        "",
+        f"Machine: {board.get('machine')}. Made {board['created']} by `drafters leaderboard` (eval/leaderboard.py).",
+        "Speedup: tokens/s over the fastest vanilla of this run (our KV-cached loop or HF `generate`, in the dtype "
+        "where it is fastest), every method interleaved with vanilla prompt by prompt, answers stopping at EOS. "
+        "τ counts the bonus token (vanilla = 1.00). Overall: tokens/s over all answers of the table.",
+    ]
+    for temp, bs, cats, entries in tables(board):
+        lines += ["", f"## T = {temp:g}, batch size {bs}", ""]
+        lines.append("| method | " + " | ".join(cats) + " | mean τ | overall | lossless evidence |")
+        lines.append("|---" * (len(cats) + 4) + "|")
+        for e in entries:
+            per = " | ".join(f"{e['by_category'][c]:.2f}x" if c in e["by_category"] else "—" for c in cats)
+            tau = f"{e['tau']:.2f}" if e["tau"] else "—"
+            lines.append(f"| {e['method']} | {per} | {tau} | {e['speedup']:.2f}x | {e['evidence']} |")
+    bad = [c for c in board["cells"] if c["status"] in ("failed", "not run")]
+    if bad:
+        lines += ["", "## Cells not measured", ""]
+        lines += [f"- `{c['cell']}`: {c['status']} ({c.get('why', '')})" for c in bad]
+    lines += ["", "Plots: `speedup_by_category.png`, `acceptance_by_position.png`, `speedup_by_batch.png`, "
+              "`tau_by_prompt_length.png`. Per-cell reports (with the sizing and the certificate): `cells/*/report.md`."]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+
+
+CSV_FIELDS = ("cell", "category", "temperature", "batch_size", "proposer", "setting", "speedup", "tau",
+              "tokens_per_s", "vanilla_tokens_per_s", "vanilla_dtype", "dtype", "greedy_identical",
+              "greedy_identical_fp32", "unexplained_divergences", "lossy", "prompts", "new_tokens")  # fmt: skip
+
+
+def write_csv(board: dict, path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in board["results"]:
+            w.writerow({k: r.get(k) for k in CSV_FIELDS})
+
+
+# ------------------------------------------------------------------------------------------- plots
+def write_plots(board: dict, out: Path) -> list[Path]:
+    """The four plots (PNG), each titled with the target and the machine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    title = f"{Path(str(board.get('target'))).name} on {board.get('machine')}"
+    plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.get_cmap("tab20").colors)
+    rows = _category_rows(board["results"])
+    paths = []
+    first_t = min((r["temperature"] for r in rows), default=0.0)
+    base = [r for r in rows if r["batch_size"] == 1 and r["temperature"] == first_t]
+
+    # speedup per category per method (T lowest, batch 1)
+    cats = sorted({_category(r) for r in base})
+    methods = sorted({method_of(r) for r in base})
+    fig, ax = plt.subplots(figsize=(max(11, 1.6 * len(cats) + 7), 5))
+    width = 0.8 / max(1, len(methods))
+    colors = plt.get_cmap("tab20").colors
+    for i, m in enumerate(methods):
+        vals = {_category(r): r["speedup"] for r in base if method_of(r) == m}
+        xs = [j + i * width for j, c in enumerate(cats) if c in vals]
+        ax.bar(xs, [vals[c] for c in cats if c in vals], width, label=m, color=colors[i % len(colors)])
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats)
+    ax.set_ylabel("speedup over the fastest vanilla (x)")
+    ax.set_xlabel("prompt category")
+    ax.set_title(f"Speedup per category, T = {first_t:g}, batch 1\n{title}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    paths.append(_save(fig, out / "speedup_by_category.png"))
+
+    # acceptance per draft position (every category pooled by the cell's "all" row)
+    fig, ax = plt.subplots(figsize=(11, 5))
+    pooled = [r for r in board["results"] if r["category"] == "all" and r["batch_size"] == 1
+              and r["temperature"] == first_t and r.get("alpha")]  # fmt: skip
+    for m in sorted({method_of(r) for r in pooled}):
+        alphas = [r["alpha"] for r in pooled if method_of(r) == m]
+        depth = max(len(a) for a in alphas)
+        mean = [sum(a[k] for a in alphas if k < len(a)) / sum(k < len(a) for a in alphas) for k in range(depth)]
+        ax.plot(range(1, depth + 1), mean, marker="o", label=m)
+    ax.set_xlabel("draft position (depth in the verified tree)")
+    ax.set_ylabel("acceptance rate α at that position")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"Acceptance per draft position, T = {first_t:g}\n{title}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    paths.append(_save(fig, out / "acceptance_by_position.png"))
+
+    # speedup against batch size (overall per method)
+    fig, ax = plt.subplots(figsize=(11, 5))
+    at_t = [r for r in rows if r["temperature"] == first_t]
+    for m in sorted({method_of(r) for r in at_t}):
+        sizes = sorted({r["batch_size"] for r in at_t if method_of(r) == m})
+        ys = [overall([r for r in at_t if method_of(r) == m and r["batch_size"] == b])["speedup"] for b in sizes]
+        ax.plot(sizes, ys, marker="o", label=m)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (rows decoded together)")
+    ax.set_ylabel("speedup over vanilla at that batch size (x)")
+    ax.set_title(f"Speedup against batch size, T = {first_t:g}\n{title}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    paths.append(_save(fig, out / "speedup_by_batch.png"))
+
+    # τ against prompt length (one point per generate call)
+    fig, ax = plt.subplots(figsize=(11, 5))
+    calls = [r for r in rows if r.get("per_call") and r["temperature"] == first_t and r["batch_size"] == 1]
+    for m in sorted({method_of(r) for r in calls}):
+        pts = [(c[0], c[1] / c[2]) for r in calls if method_of(r) == m for c in r["per_call"] if c[2]]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, label=m, alpha=0.7)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("τ: tokens per target forward (vanilla = 1)")
+    ax.set_title(f"τ against prompt length, T = {first_t:g}, batch 1\n{title}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    paths.append(_save(fig, out / "tau_by_prompt_length.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def write_outputs(board: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "leaderboard.json").write_text(json.dumps(board, indent=1) + "\n")
+    write_csv(board, out / "leaderboard.csv")
+    write_markdown(board, out / "leaderboard.md")
+    if board["results"]:
+        write_plots(board, out)
+
+
+# -------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict:
+    from eval.measure import quiet_routing
+    from eval.report import run_report
+    from infer.family import load_drafter
+    from models.checkpoint import read_checkpoint
+    from models.loader import load_target
+    from models.target import TargetConfig, load_tokenizer
+
+    cfg = parse_cli(LeaderboardConfig, sys.argv[1:] if argv is None else argv)
+    if not cfg.drafters:
+        raise SystemExit("the leaderboard needs at least one drafter checkpoint (drafters=[DIR,...])")
+    first = cfg.drafters[0]
+    _, info = read_checkpoint(first)
+    target_cfg = TargetConfig(name_or_path=cfg.target or info.target_name, aux_layer_ids=info.aux_layer_ids or None)
+    tokenizer = load_tokenizer(target_cfg.name_or_path)
+    target = load_target(first, target_cfg, prepare=quiet_routing, acceptance=info.heldout_acceptance or None)
+    drafter = load_drafter(first, target, tokenizer)
+
+    def run_cell(cell: Cell, folder: Path) -> list[dict]:
+        return run_report(target, drafter, tokenizer, report_config(cfg, cell), folder, drafter_dir=first)
+
+    statuses = run_cells(cfg, run_cell)
+    board = collect(cfg, statuses)
+    write_outputs(board, Path(cfg.out))
+    done = sum(s["status"] in ("done", "reused") for s in statuses)
+    print(f"leaderboard: {done}/{len(statuses)} cells; written to {cfg.out}/leaderboard.md")
+    return board
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The leaderboard (eval/leaderboard.py) end to end on a tiny chat target: cells of the shared report over a
+Spec-Bench-format file at two temperatures, resumed without redoing finished cells, a failing cell reported while
+the others go on, and md / csv / json / PNG outputs."""
+
+import csv
+import json
+import shutil
+
+import pytest
+
+import eval.report as report_module
+from eval.leaderboard import Cell, LeaderboardConfig, cells_of, main
+from models.eagle3 import Eagle3Drafter
+from models.target import TargetConfig, TargetModel, load_tokenizer
+from tests.test_data import CHAT_TEMPLATE
+
+QUESTIONS = [
+    {"question_id": "a-1", "category": "writing", "turns": ["Write two lines about rain.", "Now make it shorter."]},
+    {"question_id": "b-1", "category": "math", "turns": ["What is 12 plus 30? Explain step by step."]},
+]
+
+
+@pytest.fixture
+def board_setup(tiny_recipe, tmp_path):
+    target_dir = tmp_path / "target"
+    shutil.copytree(tiny_recipe / "target", target_dir)
+    tok = load_tokenizer(str(target_dir))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(target_dir)
+    target = TargetModel.from_config(TargetConfig(name_or_path=str(target_dir), dtype="float32", device="cpu"))
+    Eagle3Drafter.from_target(target, draft_vocab_size=16, tokenizer=tok).save_pretrained(tmp_path / "e3")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return tmp_path, questions
+
+
+def test_cells_cover_sources_temperatures_and_batch_sizes():
+    cfg = LeaderboardConfig(
+        prompts_paths=["x/q.jsonl"], categories=["chat"], temperatures=[0.0, 1.0], batch_sizes=[1, 4]
+    )
+    cells = cells_of(cfg)
+    assert len(cells) == 8 and cells[0] == Cell("x/q.jsonl", 0.0, 1) and cells[-1].key == "chat__T1__bs4"
+    with pytest.raises(ValueError):
+        cells_of(LeaderboardConfig(categories=[]))
+
+
+def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, monkeypatch):
+    root, questions = board_setup
+    out = root / "board"
+    args = [
+        f"drafters=[{root / 'e3'}]",
+        f"prompts_paths=[{questions},{root / 'missing.jsonl'}]",
+        "categories=[]",
+        "temperatures=[0.0,1.0]",
+        "max_new_tokens=6",
+        "draft_model=cut",
+        "fp32_certificate=false",
+        f"out={out}",
+    ]
+    calls = []
+    real = report_module.run_report
+
+    def counting(*a, **k):
+        calls.append(a[4])
+        return real(*a, **k)
+
+    monkeypatch.setattr(report_module, "run_report", counting)
+    board = main(args)
+    status = {c["cell"]: c["status"] for c in board["cells"]}
+    assert status == {
+        "questions__T0__bs1": "done",
+        "questions__T1__bs1": "done",
+        "missing__T0__bs1": "failed",
+        "missing__T1__bs1": "failed",
+    }
+    methods = {(r["proposer"], r["setting"]) for r in board["results"]}
+    assert ("prompt lookup", "chain 10") in methods and ("HF prompt lookup (10)", "HF generate") in methods
+    assert any(p == "eagle3 + prompt lookup" for p, _ in methods)  # the hybrid row
+    assert any(p.startswith("draft model") for p, _ in methods)
+    assert {r["cell"] for r in board["results"]} == {"questions__T0__bs1", "questions__T1__bs1"}
+    greedy = [r for r in board["results"] if r["temperature"] == 0.0 and r.get("tau")]
+    assert greedy and all(r["greedy_identical"] == 1.0 for r in greedy)  # fp32 target: identity is exact
+    assert all(r["per_call"] for r in greedy)
+
+    md = (out / "leaderboard.md").read_text()
+    assert "## T = 0, batch size 1" in md and "## T = 1, batch size 1" in md
+    assert "| method | math | writing | mean τ | overall | lossless evidence |" in md
+    assert "greedy identical 1.00" in md and "lossless rule (rejection sampling)" in md
+    assert "`missing__T0__bs1`: failed" in md
+    with open(out / "leaderboard.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(board["results"])
+    for png in ("speedup_by_category", "acceptance_by_position", "speedup_by_batch", "tau_by_prompt_length"):
+        assert (out / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    calls.clear()
+    again = main(args)
+    assert {c["cell"]: c["status"] for c in again["cells"]}["questions__T0__bs1"] == "reused"
+    assert all("missing" in str(folder) for folder in calls)  # finished cells are not measured again
+    assert len(again["results"]) == len(board["results"])

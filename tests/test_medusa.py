@@ -103,11 +103,19 @@ def test_exports_follow_the_vllm_and_original_key_maps(tiny_target, tmp_path):
     }
     assert torch.equal(original["1.0.linear.bias"], heads.blocks[1][0].linear.bias)
     save_medusa_vllm(heads, tmp_path / "vllm")
-    save_medusa_original(heads, tmp_path / "orig")
     assert set(load_file(str(tmp_path / "vllm" / "model.safetensors"))) == set(vllm)
-    assert set(load_file(str(tmp_path / "orig" / "medusa_lm_head.safetensors"))) == set(original)
+    # FasterDecoding opens base_model_name_or_path and medusa_lm_head.pt (a torch pickle); this target has no name
+    with pytest.raises(ValueError, match="base_model_name_or_path"):
+        save_medusa_original(heads, tmp_path / "orig")
+    save_medusa_original(heads, tmp_path / "orig", base_model_name_or_path="org/tiny")
+    assert set(torch.load(tmp_path / "orig" / "medusa_lm_head.pt", weights_only=True)) == set(original)
     meta = json.loads((tmp_path / "orig" / "config.json").read_text())
-    assert meta["medusa_num_heads"] == 2 and meta["medusa_num_layers"] == 2
+    assert (
+        meta["medusa_num_heads"] == 2
+        and meta["medusa_num_layers"] == 2
+        and meta["base_model_name_or_path"] == "org/tiny"
+    )
+    assert "--num_medusa_heads 2 --num_medusa_layers 2" in (tmp_path / "orig" / "README.md").read_text()
 
 
 def test_head_k_is_trained_on_token_t_plus_2_plus_k_where_that_token_is_a_loss_token():
@@ -229,7 +237,7 @@ def test_medusa1_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tm
     assert "heads: 3 x 1 ResBlock, shared lm_head" in printed and "offline cache" in printed
     for name in ("config.json", "model.safetensors", "report.json", "export-vllm/config.json", "state/step.json"):
         assert (out / name).exists(), name
-    assert (out / "export-medusa" / "medusa_lm_head.safetensors").exists()
+    assert (out / "export-medusa" / "medusa_lm_head.pt").exists()
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     steps = [r for r in log if "step" in r]
     assert [r["step"] for r in steps] == [2, 4] and len(steps[-1]["acc"]) == 3

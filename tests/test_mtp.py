@@ -3,8 +3,6 @@ round trip, greedy identity in the verify runtime, and drafts equal to the teach
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,43 +141,22 @@ def test_drafts_equal_the_teacher_forced_forward(tiny_target, drafter):
         assert tokens[1:] == want
 
 
-def test_deepseek_export_keys(tiny_target, drafter, tmp_path):
-    from safetensors.torch import load_file
+def test_engine_exports_are_refused_for_a_llama_target(drafter, tmp_path):
+    """vLLM and SGLang build their own MTP block (DeepSeek's MLA + MoE layer, Qwen3-Next's layer) and route a draft
+    to it only for deepseek_v3 / qwen3_next targets: a Llama target's modules are refused with that reason, and
+    nothing is written (the layouts themselves are tested on such targets in tests/test_export_engines.py)."""
+    from models.export import mtp_deepseek_refusal, mtp_qwen3_next_refusal, save_mtp_deepseek, save_mtp_qwen3_next
 
-    from models.export import save_mtp_deepseek
-
-    out = save_mtp_deepseek(drafter, tmp_path)
-    state = load_file(str(out / "model-mtp.safetensors"))
-    config = json.loads((out / "config.json").read_text())
-    N = tiny_target.num_layers
-    assert config["num_nextn_predict_layers"] == 2 and config["num_hidden_layers"] == N
-    for k in range(2):
-        p = f"model.layers.{N + k}."
-        for name in ("enorm", "hnorm", "eh_proj", "embed_tokens", "shared_head.norm", "shared_head.head"):
-            assert p + name + ".weight" in state
-        assert torch.equal(state[p + "self_attn.q_proj.weight"], drafter.layers[k].block.self_attn.q_proj.weight)
-        assert torch.equal(state[p + "shared_head.head.weight"], tiny_target.lm_head.weight)
-    assert state[f"model.layers.{N}.eh_proj.weight"].shape == (32, 64)  # 2H → H
-    assert all(k.startswith(f"model.layers.{N}.") or k.startswith(f"model.layers.{N + 1}.") for k in state)
-
-
-def test_qwen3_next_export_keys(drafter, tmp_path):
-    from safetensors.torch import load_file
-
-    from models.export import save_mtp_qwen3_next
-
-    with pytest.raises(ValueError, match="holds one MTP module"):
-        save_mtp_qwen3_next(drafter, tmp_path)
-    out = save_mtp_qwen3_next(drafter, tmp_path, module=1)
-    state = load_file(str(out / "model.safetensors"))
-    assert json.loads((out / "config.json").read_text())["mtp_num_hidden_layers"] == 1
-    for name in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "layers.0.self_attn.q_proj"):
-        assert f"mtp.{name}.weight" in state
-    layer = drafter.layers[1]
-    assert torch.equal(state["mtp.fc.weight"], layer.eh_proj.weight)
-    # (1 + w) norms: stored as w - 1
-    assert torch.equal(state["mtp.pre_fc_norm_embedding.weight"], layer.enorm.weight - 1)
-    assert torch.equal(state["mtp.layers.0.input_layernorm.weight"], layer.block.input_layernorm.weight - 1)
+    for save, refusal, family in (
+        (save_mtp_deepseek, mtp_deepseek_refusal, "deepseek_v3"),
+        (save_mtp_qwen3_next, mtp_qwen3_next_refusal, "qwen3_next"),
+    ):
+        why = refusal(drafter)
+        assert f"is for {family} targets only" in why and "LlamaDecoderLayer" in why
+        assert "serve in drafters' own runtime" in why
+        with pytest.raises(ValueError, match="serve in drafters' own runtime"):
+            save(drafter, tmp_path / family)
+        assert not (tmp_path / family).exists()
 
 
 @pytest.mark.parametrize("setting", ["chain", "tree"])

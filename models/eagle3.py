@@ -547,8 +547,11 @@ class Eagle3Drafter(nn.Module):
         position_ids: torch.Tensor,
         allowed: torch.Tensor,
         ttt_steps: int,
+        select: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """Training-time test unroll (EAGLE-3 §3.3): ``ttt_steps`` logits tensors [B, T, Vd].
+        """Training-time test unroll (EAGLE-3 §3.3): ``ttt_steps`` logits tensors, [B, T, Vd] each, or [N_i, Vd] at
+        the positions ``select[i]`` ([B, T] bool) picks: the head and its softmax are most of a training step, and
+        the loss reads the trained positions only (`train.losses.ttt_targets`).
 
         This is ``forward`` so that DDP (accelerate's prepare) sees the training computation.
 
@@ -587,5 +590,5 @@ class Eagle3Drafter(nn.Module):
             for j, dv in enumerate(diag_values):
                 attn = attn + probs[..., T + j : T + j + 1] * dv
             hidden = self.midlayer.finish(hidden, attn_mod.out(attn))
-            all_logits.append(self.compute_logits(hidden))
+            all_logits.append(self.compute_logits(hidden if select is None else hidden[select[i]]))
         return all_logits

@@ -12,7 +12,7 @@ from infer.sampling import SamplingParams
 from infer.tree_search import DynamicTreeConfig
 from models.eagle3 import Eagle3Drafter
 from train.draft_vocab import build_draft_vocab
-from train.losses import eagle3_ttt_loss
+from train.losses import eagle3_ttt_loss, ttt_targets
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
@@ -71,9 +71,10 @@ def _overfit(target, drafter, ids: list[int], ttt_steps: int, max_steps: int = 1
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
     drafter.train()
     for _ in range(max_steps):
-        logits = drafter(out.aux_hidden, x, torch.arange(T)[None], allowed, ttt_steps)
         # sharpened labels: overfitting only needs the target's argmax, and near-one-hot labels get there fastest
-        res = eagle3_ttt_loss(logits, out.logits * 20, torch.ones_like(x), drafter.t2d)
+        targets = ttt_targets(out.logits * 20, lambda v: v, torch.ones_like(x), drafter.t2d, ttt_steps)
+        logits = drafter(out.aux_hidden, x, torch.arange(T)[None], allowed, ttt_steps, targets.masks)
+        res = eagle3_ttt_loss(logits, targets)
         if bool((res.step_correct == res.step_count).all()):
             break
         opt.zero_grad()

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import train.eagle3 as recipe
 from models.config import parse_cli
 from tests.conftest import recipe_args, run_to_end
-from train.losses import eagle3_ttt_loss, shift_left, simulated_tau
+from train.losses import eagle3_ttt_loss, shift_left, simulated_tau, ttt_targets
 from train.optim import warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +57,36 @@ def test_epoch_batches_partition_each_global_batch_across_ranks():
     )
 
 
+def test_length_grouped_batches_are_disjoint_across_ranks_and_pad_less():
+    """`train.group_by_length`: every epoch still gives each rank disjoint samples (the same sample count), the
+    order replays on resume, and a batch's samples have similar lengths (less padding than the random order)."""
+    from train.loop import GROUP_MEGABATCH
+
+    n, world, bs = 1000, 2, 4
+    per_epoch = n // (world * bs)
+    lengths = torch.randint(10, 900, (n,), generator=torch.Generator().manual_seed(0))
+
+    def padded(order_lengths):
+        return sum(max(b) * len(b) for b in order_lengths)
+
+    for epoch in range(2):
+        grouped, plain = [], []
+        for g in range(per_epoch):
+            micro = epoch * per_epoch + g
+            parts = [recipe.epoch_batch(n, micro, per_epoch, 7, r, world, bs, lengths) for r in range(world)]
+            assert not set(parts[0]) & set(parts[1]) and all(len(p) == bs for p in parts)
+            grouped += parts
+            plain += [recipe.epoch_batch(n, micro, per_epoch, 7, r, world, bs) for r in range(world)]
+        flat = [i for p in grouped for i in p]
+        assert len(set(flat)) == len(flat) == per_epoch * world * bs
+        waste = padded([[int(lengths[i]) for i in b] for b in grouped]) / padded(
+            [[int(lengths[i]) for i in b] for b in plain]
+        )
+        assert waste < 0.75  # uniform lengths: grouping within 50 global batches leaves far less padding
+    again = recipe.epoch_batch(n, 3, per_epoch, 7, 1, world, bs, lengths)
+    assert again == recipe.epoch_batch(n, 3, per_epoch, 7, 1, world, bs, lengths) and GROUP_MEGABATCH == 50
+
+
 def test_training_state_survives_an_interrupted_save(tmp_path):
     from accelerate import Accelerator
 
@@ -85,6 +115,13 @@ def test_warmup_cosine_schedule():
     assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
 
 
+def _dense_loss(draft, target_logits, loss_mask, t2d, sample_ids=None, step_weight=0.8):
+    """The TTT loss with the draft logits given at every position (as a test writes them) and the target's logits
+    as its "hidden" state (an identity head)."""
+    targets = ttt_targets(target_logits, lambda x: x, loss_mask, t2d, len(draft), sample_ids)
+    return eagle3_ttt_loss([d[m] for d, m in zip(draft, targets.masks)], targets, step_weight)
+
+
 def test_ttt_loss_masks_shift_vocab_and_samples():
     V, T = 6, 6
     t2d = torch.tensor([True, True, False, True, True, True])
@@ -92,11 +129,11 @@ def test_ttt_loss_masks_shift_vocab_and_samples():
     target_logits[0, torch.arange(T), torch.tensor([1, 2, 3, 4, 5, 0])] = 10.0  # argmax per position
     draft = [torch.zeros(1, T, 5, requires_grad=True) for _ in range(2)]
     loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
-    res = eagle3_ttt_loss(draft, target_logits, loss_mask, t2d)
+    res = _dense_loss(draft, target_logits, loss_mask, t2d)
     # step i at t: label = target position t+1+i (its argmax must be draftable: id 2 is not), token t+2+i < T
     assert res.step_count.tolist() == [3, 3]  # step 0: t = 1, 2, 3 (t = 0 labels id 2); step 1: t = 0, 1, 2
     sample_ids = torch.tensor([[0, 0, 0, 1, 1, 1]])
-    res2 = eagle3_ttt_loss(draft, target_logits, loss_mask, t2d, sample_ids)
+    res2 = _dense_loss(draft, target_logits, loss_mask, t2d, sample_ids)
     assert res2.step_count.tolist() == [1, 0]  # t and t+2+i in one sample: only step 0 at t = 3
     res.loss.backward()
     assert draft[0].grad is not None and draft[1].grad.abs().sum() > 0
@@ -107,9 +144,54 @@ def test_ttt_loss_weights_steps_by_point_eight():
     target_logits = torch.randn(1, 8, 4)
     t2d = torch.ones(4, dtype=torch.bool)
     draft = [torch.randn(1, 8, 4) for _ in range(3)]
-    res = eagle3_ttt_loss(draft, target_logits, torch.ones(1, 8), t2d, step_weight=0.8)
+    res = _dense_loss(draft, target_logits, torch.ones(1, 8), t2d, step_weight=0.8)
     expected = sum(0.8**i * loss for i, loss in enumerate(res.step_loss.tolist()))
     assert float(res.loss) == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_head_runs_only_where_a_label_is_read_and_the_loss_is_the_dense_one():
+    """`ttt_targets` runs the target's head on the positions whose next token is trained, and the drafter's
+    logits are computed at the trained positions only; loss, gradients and agreement equal a dense computation
+    (softmax over every position, masked afterwards) written out here."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, V, steps = 2, 9, 5, 7, 3
+    hidden = torch.randn(B, T, H, generator=gen)
+    head = torch.randn(V, H, generator=gen)
+    t2d = torch.tensor([True, True, False, True, True, False, True])
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1, 0, 0]])
+    sample_ids = torch.tensor([[0] * 9, [0, 0, 0, 0, 1, 1, 1, 1, 1]])
+    rows_seen = []
+
+    def target_head(x):
+        rows_seen.append(x.shape[0])
+        return x @ head.t()
+
+    draft = [torch.randn(B, T, int(t2d.sum()), generator=gen, requires_grad=True) for _ in range(steps)]
+    targets = ttt_targets(hidden, target_head, loss_mask, t2d, steps, sample_ids)
+    res = eagle3_ttt_loss([d[m] for d, m in zip(draft, targets.masks)], targets, 0.8)
+    assert rows_seen == [int(shift_left(loss_mask, 1).sum())]  # 9 of 18 positions
+    res.loss.backward()
+    sparse_grads = [d.grad.clone() for d in draft]
+
+    # dense reference
+    for d in draft:
+        d.grad = None
+    logits = hidden @ head.t()
+    target_draft, draftable = logits[..., t2d], t2d[logits.argmax(-1)]
+    total, counts, correct = 0.0, [], []
+    for i, d in enumerate(draft):
+        mask = shift_left(loss_mask.bool(), 2 + i, False) & shift_left(draftable, 1 + i, False)
+        mask &= shift_left(sample_ids, 2 + i, -1) == sample_ids
+        labels = shift_left(target_draft, 1 + i).softmax(-1)
+        per = -(labels * torch.log_softmax(d, -1)).sum(-1)
+        total = total + 0.8**i * (per * mask).sum() / mask.sum().clamp(min=1)
+        counts.append(int(mask.sum()))
+        correct.append(int(((d.argmax(-1) == shift_left(target_draft.argmax(-1), 1 + i)) & mask).sum()))
+    total.backward()
+    assert res.step_count.tolist() == counts and res.step_correct.tolist() == correct and counts[0] > 0
+    assert float(res.loss) == pytest.approx(float(total), rel=1e-6)
+    for sparse, d in zip(sparse_grads, draft):
+        torch.testing.assert_close(sparse, d.grad)
 
 
 def test_simulated_tau():
@@ -134,8 +216,8 @@ def test_offline_cache_round_trip_and_disk_refusal(tmp_path, tiny_target, monkey
     out = tiny_target(torch.tensor([rows[1]["input_ids"]]))
     torch.testing.assert_close(cache[1]["aux_hidden"], out.aux_hidden[0], rtol=1e-5, atol=1e-5)
     batch = features.collate_features([cache[0], cache[1]], pad_id=0)
-    aux, logits = features.target_signals(tiny_target, batch)
-    torch.testing.assert_close(logits[1], out.logits[0], rtol=1e-4, atol=1e-4)
+    aux, last_hidden = features.target_signals(tiny_target, batch)
+    torch.testing.assert_close(tiny_target.lm_head(last_hidden[1]), out.logits[0], rtol=1e-4, atol=1e-4)
     assert aux.shape == (2, 9, out.aux_hidden.shape[-1])
     # the writer refuses before any compute when the disk lacks room
     monkeypatch.setattr(features.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
@@ -288,7 +370,8 @@ def test_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp_path, 
         ]
     )
     rows = json.loads((out / "report.json").read_text())["results"]
-    assert [r["setting"] for r in rows] == ["chain 10", "chain 2"] and rows[1]["greedy_identical"] == 1.0
+    assert [r["setting"] for r in rows] == ["chain 10", "chain 2", "chain 2 + lookup 8"]
+    assert rows[1]["greedy_identical"] == rows[2]["greedy_identical"] == 1.0
 
 
 @pytest.mark.integration

@@ -46,11 +46,12 @@ from train.loop import (  # noqa: E402
     make_accelerator,
     record,
     report_mode,
+    sample_lengths,
     stamp_heldout,
     start_training,
     to_device,
 )
-from train.losses import eagle3_ttt_loss, simulated_tau  # noqa: E402
+from train.losses import eagle3_ttt_loss, simulated_tau, ttt_targets  # noqa: E402
 from train.optim import adamw  # noqa: E402
 from train.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled  # noqa: E402
 
@@ -134,11 +135,13 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
     correct = torch.zeros(cfg.drafter.ttt_steps, device=accelerator.device)
     count = torch.zeros_like(correct)
     for batch in eval_batches(accelerator, cfg.train, eval_set, pad_id):
-        aux, target_logits = target_signals(target, batch)
+        aux, last_hidden = target_signals(target, batch)
         allowed, positions, sample_ids = attention_masks(batch)
+        k = cfg.drafter.ttt_steps
+        labels = ttt_targets(last_hidden, target.lm_head, batch["loss_mask"], model.t2d, k, sample_ids)
         with accelerator.autocast():
-            logits = model(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, cfg.drafter.ttt_steps)
-        res = eagle3_ttt_loss(logits, target_logits, batch["loss_mask"], model.t2d, sample_ids)
+            logits = model(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, k, labels.masks)
+        res = eagle3_ttt_loss(logits, labels)
         correct += res.step_correct
         count += res.step_count
     correct, count = accelerator.reduce(correct, "sum"), accelerator.reduce(count, "sum")
@@ -192,8 +195,17 @@ def main(argv: list[str]) -> None:
 
     # ---- optimizer, schedule, resume, the sharding this run really got
     optimizer = adamw(drafter, tc.lr, tc.weight_decay)
+    lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
     drafter, optimizer, per_epoch, total_steps, warmup, step = start_training(
-        accelerator, cfg, drafter, optimizer, len(samples), log, "eagle3", f", ttt {cfg.drafter.ttt_steps}"
+        accelerator,
+        cfg,
+        drafter,
+        optimizer,
+        len(samples),
+        log,
+        "eagle3",
+        f", ttt {cfg.drafter.ttt_steps}",
+        lengths=lengths,
     )
 
     # ---- training-time-test loop
@@ -202,15 +214,14 @@ def main(argv: list[str]) -> None:
     progress = Progress(accelerator, tc, total_steps, warmup, step, k, "eagle3", position_loss="step_loss")
     micro = step * tc.grad_accum
     while progress.step < total_steps:
-        ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size)
+        ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
         batch = to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device)
-        aux, target_logits = target_signals(target, batch)
+        aux, last_hidden = target_signals(target, batch)
         allowed, positions, sample_ids = attention_masks(batch)
+        labels = ttt_targets(last_hidden, target.lm_head, batch["loss_mask"], model.t2d, k, sample_ids)
         with accelerator.accumulate(drafter), accelerator.autocast():  # no all-reduce before the boundary
-            logits = drafter(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, k)
-            res = eagle3_ttt_loss(
-                logits, target_logits, batch["loss_mask"], model.t2d, sample_ids, cfg.drafter.step_weight
-            )
+            logits = drafter(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, k, labels.masks)
+            res = eagle3_ttt_loss(logits, labels, cfg.drafter.step_weight)
             accelerator.backward(res.loss)  # divided by train.grad_accum there
         progress.add(
             res.loss, res.step_correct, res.step_count, int(batch["attention_mask"].sum()), None, res.step_loss

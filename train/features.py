@@ -68,11 +68,12 @@ def target_forward(target: TargetModel, batch: dict[str, torch.Tensor], logits: 
 
 @torch.no_grad()
 def target_signals(target: TargetModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(aux features [B, T, A·H], target logits [B, T, V]) from the cached features or one target forward."""
+    """(aux features [B, T, A·H], final-norm hidden [B, T, H]) from the cached features or one target forward; the
+    target's head runs later, only where a loss reads it (`train.losses.ttt_targets`)."""
     if "aux_hidden" in batch:
-        return batch["aux_hidden"], target.lm_head(batch["last_hidden"].to(target.dtype))
-    out = target_forward(target, batch)
-    return out.aux_hidden, out.logits
+        return batch["aux_hidden"], batch["last_hidden"].to(target.dtype)
+    out = target_forward(target, batch, logits=False)
+    return out.aux_hidden, out.last_hidden
 
 
 def final_hidden(target: TargetModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -74,6 +74,10 @@ class TrainConfig:
     """Max gradient norm (SpecForge 0.5)."""
     mixed_precision: str = "auto"
     """"auto" (bf16 on CUDA / bf16-capable CPUs, else fp32), "bf16" or "fp32"."""
+    group_by_length: bool = False
+    """Batches of samples of similar length (sorted within groups of 50 global batches of the epoch's random order,
+    then the batches shuffled): far less padding (a SmolLM2 chat batch of 4 was 44 % padding), the same samples per
+    epoch."""
     seed: int = 0
     log_every: int = 10
     """Optimizer steps between log lines (loss and top-1 accuracy per step / head)."""
@@ -209,11 +213,51 @@ def _epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
 
 
-def epoch_batch(num_samples: int, micro: int, per_epoch: int, seed: int, rank: int, world: int, bs: int) -> list[int]:
-    """Sample indices of this rank's micro-batch number ``micro`` (global batches of world·bs, seeded per epoch)."""
+GROUP_MEGABATCH = 50
+"""Global batches per length group of `group_by_length` (HF's LengthGroupedSampler uses 50 too)."""
+_GROUPED: dict[tuple, torch.Tensor] = {}
+
+
+def _grouped_order(lengths: torch.Tensor, seed: int, epoch: int, group: int) -> torch.Tensor:
+    """The epoch's random order, sorted by length (longest first) within chunks of GROUP_MEGABATCH global batches,
+    cut into global batches of ``group``, whose order is shuffled (seeded; the short last batch stays last, where
+    the epoch's remainder is dropped). Every rank computes the same order, so their slices stay disjoint."""
+    key = (lengths.data_ptr(), lengths.numel(), seed, epoch, group)
+    if key not in _GROUPED:
+        perm = _epoch_order(lengths.numel(), seed, epoch)
+        chunks = [c[lengths[c].argsort(descending=True, stable=True)] for c in perm.split(group * GROUP_MEGABATCH)]
+        batches = list(torch.cat(chunks).split(group))
+        full = [b for b in batches if len(b) == group]
+        shuffle = torch.randperm(len(full), generator=torch.Generator().manual_seed(seed * 100_019 + epoch))
+        _GROUPED.clear()
+        _GROUPED[key] = torch.cat([full[i] for i in shuffle.tolist()] + batches[len(full) :])
+    return _GROUPED[key]
+
+
+def sample_lengths(train_set) -> torch.Tensor:
+    """Tokens per sample of a tokenized dataset (`group_by_length`)."""
+    return torch.tensor([len(ids) for ids in train_set["input_ids"]])
+
+
+def epoch_batch(
+    num_samples: int,
+    micro: int,
+    per_epoch: int,
+    seed: int,
+    rank: int,
+    world: int,
+    bs: int,
+    lengths: torch.Tensor | None = None,
+) -> list[int]:
+    """Sample indices of this rank's micro-batch number ``micro`` (global batches of world·bs, seeded per epoch);
+    with ``lengths`` (`TrainConfig.group_by_length`), batches of similar length."""
     epoch, g = divmod(micro, per_epoch)
     start = g * world * bs + rank * bs
-    return _epoch_order(num_samples, seed, epoch)[start : start + bs].tolist()
+    if lengths is None:
+        order = _epoch_order(num_samples, seed, epoch)
+    else:
+        order = _grouped_order(lengths, seed, epoch, world * bs)
+    return order[start : start + bs].tolist()
 
 
 def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
@@ -232,14 +276,16 @@ def schedule(tc: TrainConfig, num_samples: int, world: int) -> tuple[int, int, i
     return per_epoch, total_steps, warmup
 
 
-def check_sharding(accelerator: Accelerator, tc: TrainConfig, num_samples: int, per_epoch: int) -> dict:
+def check_sharding(
+    accelerator: Accelerator, tc: TrainConfig, num_samples: int, per_epoch: int, lengths: torch.Tensor | None = None
+) -> dict:
     """Every rank's first-epoch samples, gathered: raises if two ranks would train on the same sample."""
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = torch.tensor(
         [
             i
             for m in range(per_epoch)
-            for i in epoch_batch(num_samples, m, per_epoch, tc.seed, rank, world, tc.batch_size)
+            for i in epoch_batch(num_samples, m, per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
         ]
     )
     every = accelerator.gather(mine.to(accelerator.device)).cpu()
@@ -364,6 +410,7 @@ def start_training(
     name: str,
     detail: str = "",
     before: dict | None = None,
+    lengths: torch.Tensor | None = None,
 ):
     """What every recipe does between building its optimizer and its loop: accelerate's wrapping, the step
     schedule, resuming from the latest state, the run's log line, the tracker (``train.log_with``), the sharding
@@ -384,7 +431,7 @@ def start_training(
     )
     if accelerator.is_main_process and tc.log_with:
         accelerator.init_trackers(name, config=_scalars(to_dict(cfg)), init_kwargs={"wandb": {"dir": tc.output_dir}})
-    sharding = check_sharding(accelerator, tc, num_samples, per_epoch)
+    sharding = check_sharding(accelerator, tc, num_samples, per_epoch, lengths)
     sharding.update(_optimizer_numel(accelerator, optimizer, trainable))
     record(accelerator, tc, {"sharding": sharding}, log)
     if before:

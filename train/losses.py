@@ -3,6 +3,7 @@ simulated τ of DESIGN.md §4 (pure functions; shapes in the docstrings)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,43 +34,71 @@ def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.T
     return torch.cat([x[:, n:], pad], 1)
 
 
-def eagle3_ttt_loss(
-    draft_logits: list[torch.Tensor],
-    target_logits: torch.Tensor,
+@dataclass
+class TTTTargets:
+    """What EAGLE-3's TTT loss compares the drafter against, at the trained positions only (`ttt_targets`)."""
+
+    masks: list[torch.Tensor]
+    """Per step i: [B, T] bool, the positions t trained at step i (the drafter's logits are computed there only)."""
+    labels: list[torch.Tensor]
+    """Per step: [N_i, Vd] float, the target's distribution on the draft vocabulary for each trained position."""
+    top: list[torch.Tensor]
+    """Per step: [N_i] int64, the target's most likely draft id there (top-1 agreement)."""
+
+
+@torch.no_grad()
+def ttt_targets(
+    target_hidden: torch.Tensor,
+    target_head: Callable[[torch.Tensor], torch.Tensor],
     loss_mask: torch.Tensor,
     t2d: torch.Tensor,
+    ttt_steps: int,
     sample_ids: torch.Tensor | None = None,
-    step_weight: float = 0.8,
-) -> TTTLoss:
-    """Soft cross-entropy of every TTT step against the target distribution on the draft vocabulary.
+) -> TTTTargets:
+    """The labels of every TTT step, from the target's head run only where a label is read.
 
-    draft_logits: one [B, T, Vd] per step; step i at position t predicts token t+2+i.
-    target_logits [B, T, V]: the target's logits (position j predicts token j+1), so step i's label distribution
-    is ``softmax(target_logits[:, t+1+i][t2d])``. loss_mask [B, T]: 1 where token t is a training target.
-    sample_ids [B, T] (optional, packed rows): positions t and t+2+i must lie in the same sample.
-    Mask of step i at t = loss_mask[t+2+i] · t2d[argmax target_logits[t+1+i]] (the target's choice is draftable)
-    · same sample; weight of step i = step_weight ** i (EAGLE-3 / SpecForge: 0.8).
-    """
-    target_draft = target_logits[..., t2d].float()  # [B, T, Vd], draft ids ascend with target ids
-    target_argmax = target_logits.argmax(-1)  # [B, T]
-    draftable = t2d[target_argmax]  # [B, T]: the target's top token is in the draft vocabulary
-    target_top_draft = target_draft.argmax(-1)  # its draft id, when draftable
+    target_hidden [B, T, H]: what the target's head reads (``target_head`` maps [N, H] → [N, V] logits); position p
+    predicts token p+1. Step i at position t is labelled by ``softmax(logits[t+1+i][t2d])`` and trained where
+    token t+2+i is a loss token (loss_mask [B, T]) of the same sample (sample_ids [B, T], packed rows) and the
+    target's top token at t+1+i is draftable; step weight and reduction are `eagle3_ttt_loss`'s. Every label position
+    p has loss_mask[p+1], so the head runs on those positions alone: on chat data, a third of a padded batch (the
+    49k-wide target head and the draft head were ~80 % of a SmolLM2 EAGLE-3 training step, measured)."""
     mask_tokens = loss_mask.bool()
-    total = torch.zeros((), device=target_logits.device)
-    step_loss, step_correct, step_count = [], [], []
-    for i, logits in enumerate(draft_logits):
-        labels = shift_left(target_draft, 1 + i).softmax(-1)
+    need = shift_left(mask_tokens, 1, False)  # position p is read as a label exactly when token p+1 is trained
+    where = need.nonzero(as_tuple=True)
+    logits = target_head(target_hidden[where])  # [P, V]
+    row = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
+    row[where] = torch.arange(logits.shape[0], device=need.device)
+    draftable = torch.zeros_like(need)
+    draftable[where] = t2d[logits.argmax(-1)]  # the target's top token is in the draft vocabulary
+    draft = logits[:, t2d].float()  # [P, Vd], draft ids ascend with target ids
+    masks, labels, top = [], [], []
+    for i in range(ttt_steps):
         mask = shift_left(mask_tokens, 2 + i, False) & shift_left(draftable, 1 + i, False)
         if sample_ids is not None:
             mask &= shift_left(sample_ids, 2 + i, -1) == sample_ids
+        rows = shift_left(row, 1 + i, -1)[mask]
+        masks.append(mask)
+        labels.append(draft[rows].softmax(-1))
+        top.append(draft[rows].argmax(-1))
+    return TTTTargets(masks, labels, top)
+
+
+def eagle3_ttt_loss(draft_logits: list[torch.Tensor], targets: TTTTargets, step_weight: float = 0.8) -> TTTLoss:
+    """Soft cross-entropy of every TTT step against the target distribution on the draft vocabulary.
+
+    draft_logits: per step i, [N_i, Vd] at the positions ``targets.masks[i]`` selects (in its row-major order; the
+    drafter's forward computes them there only). Step i's loss is the mean over its positions, weighted by
+    ``step_weight ** i`` (EAGLE-3 / SpecForge: 0.8)."""
+    total = torch.zeros((), device=targets.masks[0].device)
+    step_loss, step_correct, step_count = [], [], []
+    for i, logits in enumerate(draft_logits):
         logp = F.log_softmax(logits.float(), dim=-1)
-        per_token = -(labels * logp).sum(-1)
-        count = mask.sum()
-        loss_i = (per_token * mask).sum() / count.clamp(min=1)
+        count = targets.masks[i].sum()
+        loss_i = -(targets.labels[i] * logp).sum() / count.clamp(min=1)
         total = total + (step_weight**i) * loss_i
-        correct = ((logits.argmax(-1) == shift_left(target_top_draft, 1 + i)) & mask).sum()
         step_loss.append(loss_i.detach())
-        step_correct.append(correct)
+        step_correct.append((logits.argmax(-1) == targets.top[i]).sum())
         step_count.append(count)
     return TTTLoss(total, torch.stack(step_loss), torch.stack(step_correct), torch.stack(step_count))
 

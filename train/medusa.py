@@ -56,6 +56,7 @@ from train.loop import (  # noqa: E402
     make_accelerator,
     record,
     report_mode,
+    sample_lengths,
     stamp_heldout,
     start_training,
     to_device,
@@ -235,8 +236,9 @@ def main(argv: list[str]) -> None:
     model, optimizer, original, before = trained_modules(
         accelerator, target, heads, wrap, tc, jc.head_lr_multiplier, eval_set, pad_id
     )
+    lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
     model, optimizer, per_epoch, total_steps, warmup, step = start_training(
-        accelerator, cfg, model, optimizer, len(samples), log, "medusa", before=before
+        accelerator, cfg, model, optimizer, len(samples), log, "medusa", before=before, lengths=lengths
     )
 
     # ---- loop
@@ -246,7 +248,7 @@ def main(argv: list[str]) -> None:
     )
     micro, last_eval = step * tc.grad_accum, {}
     while progress.step < total_steps:
-        ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size)
+        ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
         batch = to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device)
         targets = [medusa_head_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)]
         train_target = joint and progress.step >= jc.heads_warmup_steps

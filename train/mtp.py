@@ -37,7 +37,12 @@ from torch import nn  # noqa: E402
 from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
 from infer.tree_search import expected_accepted  # noqa: E402
 from models.config import parse_cli  # noqa: E402
-from models.export import save_mtp_deepseek, save_mtp_qwen3_next  # noqa: E402
+from models.export import (  # noqa: E402
+    mtp_deepseek_refusal,
+    mtp_qwen3_next_refusal,
+    save_mtp_deepseek,
+    save_mtp_qwen3_next,
+)
 from models.mtp import BLOCK_INITS, MTPDrafter  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
@@ -58,6 +63,7 @@ from train.loop import (  # noqa: E402
     make_accelerator,
     record,
     report_mode,
+    sample_lengths,
     stamp_heldout,
     start_training,
     to_device,
@@ -241,8 +247,9 @@ def main(argv: list[str]) -> None:
     model, optimizer, original, before = trained_modules(
         accelerator, target, drafter, wrap, tc, jc.module_lr_multiplier, eval_set, pad_id
     )
+    lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
     model, optimizer, per_epoch, total_steps, warmup, step = start_training(
-        accelerator, cfg, model, optimizer, len(train_set), log, "mtp", before=before
+        accelerator, cfg, model, optimizer, len(train_set), log, "mtp", before=before, lengths=lengths
     )
 
     # ---- loop
@@ -251,7 +258,7 @@ def main(argv: list[str]) -> None:
     progress = Progress(accelerator, tc, total_steps, warmup, step, D, "mtp", second, "depth_loss")
     micro, last_eval = step * tc.grad_accum, {}
     while progress.step < total_steps:
-        ids = epoch_batch(len(train_set), micro, per_epoch, tc.seed, rank, world, tc.batch_size)
+        ids = epoch_batch(len(train_set), micro, per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
         batch = to_device(collate([train_set[i] for i in ids], pad_id), accelerator.device)
         targets = depth_targets(batch, D)
         train_target = joint and progress.step >= jc.modules_warmup_steps
@@ -306,12 +313,15 @@ def main(argv: list[str]) -> None:
     drafter.save_pretrained(out, gathered)
     if gathered is not None:  # the sharded module in hand is not the drafter: serve the one file just written
         drafter = MTPDrafter.from_pretrained(out, target, tokenizer)
-    if tc.export:
-        save_mtp_deepseek(drafter, out / "export-deepseek")
-        if D == 1:
-            save_mtp_qwen3_next(drafter, out / "export-qwen3-next")
-        else:
-            log(f"export: the Qwen3-Next layout holds one module and this drafter has {D}; left out")
+    if tc.export:  # each engine layout where it loads; otherwise the reason (e.g. a Llama target's modules)
+        for name, why, save in (
+            ("export-deepseek", mtp_deepseek_refusal(drafter), save_mtp_deepseek),
+            ("export-qwen3-next", mtp_qwen3_next_refusal(drafter), save_mtp_qwen3_next),
+        ):
+            if why is None:
+                save(drafter, out / name)
+            else:
+                log(f"export: {name} left out: {why}")
     log(
         f"saved {out} (+ exports) after {train_s / 60:.1f} min of training, {(time.time() - t_start) / 60:.1f} min total"
     )

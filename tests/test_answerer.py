@@ -251,3 +251,44 @@ def test_the_chat_data_build_answers_through_the_answerer_and_resumes(tokenizers
     again = chat_data.build(target, tok, cfg, tmp_path / "d", log=lambda m: None)
     assert again["this_run"]["first_pass"]["answers"] == again["this_run"]["derived"]["answers"] == 0
     assert again["conversations"] == 16
+
+
+def test_steered_requests_are_sampled_continuously_filtered_and_resumed(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
+    """`synthesize_requests` for a steered family: every prompt is the user header plus an opener, a kept request is
+    the opener plus the target's text, duplicates and unfinished ones are dropped, and a rerun keeps what is on disk
+    and samples only the rest (the decoder is a stand-in that answers from a script)."""
+    import train.chat_data as chat_data
+    from train.data import end_of_turn_token_ids
+    from train.families import OPENERS
+
+    tok = tokenizers["reference"]
+    stop = end_of_turn_token_ids(tok)[0]
+    header = chat_data.user_turn_prefix(tok)
+    script = iter(
+        [" is a river?", " is a river?", " unfinished", *(f" is thing number {i}?" for i in range(40))]
+    )  # a duplicate, an unfinished one, then new ones
+    seen_prompts = []
+
+    def fake_decode(target, submit, on_done, params, eos, batch_size, refill=None):
+        while True:
+            new = submit(2)
+            if not new:
+                return None
+            for key, prompt in new:
+                seen_prompts.append(tok.decode(prompt))
+                text = next(script)
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+                on_done(key, ids if "unfinished" in text else [*ids, stop])
+
+    monkeypatch.setattr(chat_data, "decode_continuous", fake_decode)
+    cfg = chat_data.BuildConfig(batch_size=2)
+    path = tmp_path / "qa_requests.jsonl"
+    rows = chat_data.synthesize_requests(TargetModel(tiny_target), tok, cfg, path, lambda m: None, "qa", 3)
+    assert [r["id"] for r in rows] == ["qa-0", "qa-1", "qa-2"] and all(r["kind"] == "qa" for r in rows)
+    assert all(p.startswith(header) and p[len(header) :] in OPENERS["qa"] for p in seen_prompts)
+    assert all(any(r["turns"][0].startswith(o) for o in OPENERS["qa"]) for r in rows)
+    assert len({r["turns"][0] for r in rows}) == 3 and not any("unfinished" in r["turns"][0] for r in rows)
+    seen_prompts.clear()
+    more = chat_data.synthesize_requests(TargetModel(tiny_target), tok, cfg, path, lambda m: None, "qa", 5)
+    assert more[:3] == rows and [r["id"] for r in more] == [f"qa-{i}" for i in range(5)]
+    assert len(seen_prompts) == 2  # only the two missing requests were sampled

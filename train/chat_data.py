@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from eval.measure import prepare_target
 from eval.stdlib_corpus import split_files, stdlib_files
-from infer.generate import generate_vanilla
+from infer.generate import decode_continuous
 from infer.sampling import SamplingParams
 from models.target import TargetModel
 from train.answerer import AnswerConfig, Job, answer, rank_and_world, read_shards
@@ -225,7 +225,8 @@ def synthesize_requests(
 ) -> list[dict]:
     """Magpie: sample user requests from the bare user-turn header until ``count`` (default ``cfg.magpie``) pass the
     filter. A family with openers (`train.families.OPENERS`) is steered: each row's user turn starts with one of
-    them, and the request is the opener plus what the target wrote after it."""
+    them, and the request is the opener plus what the target wrote after it. Kept requests are appended to ``path``
+    16 at a time (resumable: a rerun keeps them and samples the rest)."""
     count = cfg.magpie if count < 0 else count
     header = user_turn_prefix(tokenizer)
     openers = OPENERS.get(family, ("",))
@@ -233,28 +234,52 @@ def synthesize_requests(
     stop = tuple(end_of_turn_token_ids(tokenizer)) or (tokenizer.eos_token_id,)
     rows = _read_jsonl(path)
     filt = RequestFilter([r["turns"][0] for r in rows])
-    batches = len({r["batch"] for r in rows})
+    flushes = len({r["batch"] for r in rows})
     bar = tqdm(total=count, initial=len(rows), desc=f"{family} requests")
-    t0, tokens = time.time(), 0
-    offset = FAMILIES.index(family) * 100_003
-    while len(rows) < count:
-        seed = cfg.seed * 1_000_003 + batches + offset
-        starts = [random.Random(seed * 31 + i).choice(openers) for i in range(cfg.batch_size)]
-        prompts = [tokenizer(header + s, add_special_tokens=False)["input_ids"] for s in starts]
-        params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=128, seed=seed)
-        out = generate_vanilla(target, prompts, params, stop)
-        new = []
-        for start, toks in zip(starts, out.tokens):
-            tokens += len(toks)
-            complete = bool(toks) and toks[-1] in stop
-            text = (start + tokenizer.decode(toks[:-1] if complete else toks, skip_special_tokens=False)).strip()
-            if filt.keep(text, complete) and len(rows) + len(new) < count:
-                new.append({"id": f"{kind}-{len(rows) + len(new)}", "kind": kind, "batch": batches, "turns": [text]})
-        _append_jsonl(path, new)
-        rows += new
-        batches += 1
-        bar.update(len(new))
-        bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.0f}", rejected=sum(filt.rejected.values()))
+    t0, tokens, pending = time.time(), 0, []
+    # one random stream per sitting (a resumed build samples afresh), seeded by where it starts
+    seed = cfg.seed * 1_000_003 + len(rows) + FAMILIES.index(family) * 100_003
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=128, seed=seed)
+
+    def flush() -> None:
+        nonlocal flushes
+        _append_jsonl(path, pending)
+        rows.extend(pending)
+        bar.update(len(pending))
+        pending.clear()
+        flushes += 1
+
+    attempts = [0]
+    limit = 20 * (count - len(rows)) + cfg.batch_size  # the real target keeps ~90 %; a broken one must not loop
+
+    def submit(n: int) -> list[tuple[str, list[int]]]:
+        if len(rows) + len(pending) >= count or attempts[0] >= limit:
+            return []
+        attempts[0] += n
+        starts = [rng.choice(openers) for _ in range(n)]
+        return [(s, tokenizer(header + s, add_special_tokens=False)["input_ids"]) for s in starts]
+
+    def on_done(start: str, toks: list[int]) -> None:
+        nonlocal tokens
+        tokens += len(toks)
+        complete = bool(toks) and toks[-1] in stop
+        text = (start + tokenizer.decode(toks[:-1] if complete else toks, skip_special_tokens=False)).strip()
+        if filt.keep(text, complete) and len(rows) + len(pending) < count:
+            n = len(rows) + len(pending)
+            pending.append({"id": f"{kind}-{n}", "kind": kind, "batch": flushes, "turns": [text]})
+            if len(pending) >= 16:
+                flush()
+                bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.0f}", rejected=sum(filt.rejected.values()))
+
+    if len(rows) < count:
+        # continuous batching: a request that ends frees its slot at once (a static batch waits for its longest,
+        # which runs to the 128-token cap whenever one request does)
+        decode_continuous(target, submit, on_done, params, stop, cfg.batch_size)
+        if pending:
+            flush()
+        if len(rows) < count:
+            log(f"{family} requests: stopped after {attempts[0]} samples with {len(rows)} of {count} kept")
     bar.close()
     log(f"{family} requests: {len(rows)} kept; rejected this run {filt.rejected}")
     return rows[:count]

@@ -1,0 +1,251 @@
+"""``drafters publish CHECKPOINT``: a drafter folder ready for a model hub, with a model card that says what it is,
+how it was made, what it measured and how to load it.
+
+What the folder holds:
+
+- the drafters format (``config.json`` with its ``drafters`` block, ``model.safetensors``), plus the run's
+  ``recipe.yaml`` and ``train_log.jsonl`` where the checkpoint has them;
+- every engine export the training run wrote (``export-*/``; each carries its own README with the engine, version
+  and flags, `models.export`), and the reason for each layout the family has but that was refused for this target;
+- ``README.md``, the model card: YAML front matter (license, base model, tags, library), then the target, the data,
+  the recipe and how it trained, the τ and speedup table of its latest measurement (the checkpoint's ``report.json``,
+  or a leaderboard's ``leaderboard.json`` rows of this drafter and the baselines), with its prompt set, machine and
+  lossless evidence, and how to load it in SGLang, vLLM and drafters.
+
+With ``push_to`` and a Hugging Face token (``HF_TOKEN`` or a saved login) it uploads through ``huggingface_hub``;
+without a token, or when the hub cannot be reached, it says so and stops after writing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import yaml
+
+from models.checkpoint import CONFIG_NAME, WEIGHTS_NAME, TargetInfo, read_checkpoint
+from models.reference import REFERENCE_TARGETS
+
+RUN_FILES = ("recipe.yaml", "train_log.jsonl", "report.json", "report.md", "NOTES.md")
+"""Files of the run copied beside the weights; ``NOTES.md`` (how the run went, in words) becomes the card's notes."""
+TARGET_LICENSES = {"smollm2-135m-instruct": "apache-2.0"}
+"""Licenses of the reference targets (a drafter trained on a target's outputs is published under the target's)."""
+
+
+def base_model(info: TargetInfo) -> str:
+    """The hub id of the target, where it has one (a reference target's short name → its hub id)."""
+    name = Path(info.target_name).name if Path(info.target_name).exists() else info.target_name
+    return REFERENCE_TARGETS[name].hub_id if name in REFERENCE_TARGETS else info.target_name
+
+
+def _results(
+    folder: Path, leaderboard: Path | None, method: str, report: Path | None = None
+) -> tuple[list[dict], dict]:
+    """(rows, header) of the latest measurement: a leaderboard's rows of this method and the baselines, a report.json
+    given by path, or the checkpoint's own report."""
+    if leaderboard is not None:  # this drafter's rows (and its hybrid) beside the baselines, not other drafters'
+        board = json.loads(leaderboard.read_text())
+        mine = [r for r in board["results"] if r["proposer"] in (method, f"{method} + prompt lookup")
+                or r["proposer"] == "prompt lookup" or r["proposer"].startswith(("draft model", "HF "))]  # fmt: skip
+        return mine, {k: board.get(k) for k in ("target", "machine", "created")} | {
+            "prompt_set": f"leaderboard {leaderboard.name} ({', '.join(sorted({r['source'] for r in mine}))})"
+        }
+    report = report or folder / "report.json"
+    if not report.exists():
+        return [], {}
+    data = json.loads(report.read_text())
+    head = {k: data.get(k) for k in ("target", "machine", "created", "prompt_set")}
+    if isinstance(head["machine"], dict):  # reports since the precision policy: the machine as a dict with its words
+        head["machine"] = head["machine"].get("words")
+    return data["results"], head
+
+
+def results_table(rows: list[dict]) -> str:
+    """Markdown: every row of the measurement at batch 1 (T, category, method, setting, τ, speedup, evidence)."""
+    lines = ["| T | category | method | setting | τ | speedup | lossless evidence |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("batch_size", 1) != 1:
+            continue
+        tau = f"{r['tau']:.2f}" if r.get("tau") else "—"
+        lines.append(
+            f"| {r['temperature']:g} | {r['category']} | {r['proposer']} | {r['setting']} | {tau} | "
+            f"{r['speedup']:.2f}x | {_evidence(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def _evidence(r: dict) -> str:
+    if r.get("lossy"):
+        return "lossy (typical acceptance)"
+    if r["temperature"] > 0:
+        return "lossless rule (rejection sampling)"
+    if r.get("greedy_identical") is None:
+        return "—"
+    words = f"greedy identical {r['greedy_identical']:.2f}"
+    if r.get("unexplained_divergences") is not None:
+        words += f", {r['unexplained_divergences']} unexplained"
+    return words
+
+
+def _training(folder: Path) -> str:
+    log = folder / "train_log.jsonl"
+    if not log.exists():
+        return "No training log in the checkpoint."
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "step" in r and "loss" in r]
+    if not steps:
+        return "The training log holds no step."
+    last = steps[-1]
+    rates = [r["tokens_per_s"] for r in steps if "tokens_per_s" in r]
+    held = next((r["eval/acc"] for r in reversed(rows) if r.get("eval/acc")), None)
+    words = f"{last['step']} optimizer steps; last logged loss {last['loss']:.3f}"
+    if rates:
+        words += f"; {min(rates):.0f}–{max(rates):.0f} training tokens/s"
+    if held:
+        words += f"; held-out top-1 accuracy per draft depth {', '.join(f'{a:.3f}' for a in held)}"
+    return words + "."
+
+
+def _recipe(folder: Path) -> tuple[str, str | None]:
+    """(recipe in a code block, data path) of the run, where the checkpoint kept its recipe."""
+    path = folder / "recipe.yaml"
+    if not path.exists():
+        return "The checkpoint holds no recipe.", None
+    text = path.read_text()
+    data = (yaml.safe_load(text) or {}).get("data", {}).get("path")
+    return f"```yaml\n{text.strip()}\n```", data
+
+
+def model_card(
+    folder: Path, info: TargetInfo, exports: dict[str, str], leaderboard: Path | None = None, report: Path | None = None
+) -> str:
+    """The model card (README.md) of a published folder; ``exports``: folder → its engine README's text."""
+    rows, head = _results(folder, leaderboard, info.method, report)
+    recipe, data = _recipe(folder)
+    base = base_model(info)
+    front = {
+        "license": TARGET_LICENSES.get(Path(info.target_name).name, "other"),
+        **({"base_model": base} if base else {}),  # a target without a name (built in memory) has no hub id
+        "library_name": "drafters",
+        "pipeline_tag": "text-generation",
+        "tags": ["speculative-decoding", info.method, "drafter"],
+    }
+    if data and re.fullmatch(r"[\w.-]+/[\w-]+", data):  # a hub dataset id; a local file is described below
+        front["datasets"] = [data]
+    load = "\n\n".join(f"### `{name}/`\n\n{text.strip()}" for name, text in sorted(exports.items()))
+    table = results_table(rows) if rows else "Not measured yet: run `drafters report --drafter <this folder>`."
+    notes = f"\n## Notes\n\n{(folder / 'NOTES.md').read_text().strip()}\n" if (folder / "NOTES.md").exists() else ""
+    return f"""---
+{yaml.safe_dump(front, sort_keys=False).strip()}
+---
+
+# {info.method} drafter for {base}
+
+A speculative-decoding drafter ({info.method}) for `{base}`, trained and measured with drafters (its runtime
+verifies the drafts losslessly: at T = 0 the output is the target's own greedy text, at T > 0 the accept rule keeps
+the target's distribution).
+
+- **Target**: `{info.target_name}` (vocab {info.target_vocab_size:,}, {info.target_num_layers} layers, hidden
+  {info.target_hidden_size}, tokenizer fingerprint `{info.tokenizer_fingerprint}`); feature taps
+  {info.aux_layer_ids or "none"} ({info.aux_layer_convention}).
+- **Data**: {f"`{data}`" if data else "see the recipe"}; its data card is the README beside it.
+- **Training**: {_training(folder)}
+
+## Measured τ and speedup
+
+Prompt set: {head.get("prompt_set", "—")}. Machine: {head.get("machine", "—")}. Measured {head.get("created", "—")}.
+τ counts the bonus token (vanilla = 1.00); speedup is tokens/s over the fastest vanilla of the same run (our
+KV-cached loop or HF `generate`), answers stopping at EOS, every method interleaved with vanilla prompt by prompt.
+
+{table}
+
+## How to load
+
+In drafters: `drafters report --drafter <this folder>` measures it;
+`infer.family.load_drafter("<this folder>", target, tokenizer)` loads it for `infer.generate.generate_speculative`.
+
+{load or "No engine export was written for this drafter."}
+
+An engine layout of this family that is not here was refused for this target at export time (the training log
+says why; the rules: `docs/exports.md` of drafters).
+
+## Recipe
+
+{recipe}
+{notes}"""
+
+
+def publish(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    leaderboard: str | Path | None = None,
+    report: str | Path | None = None,
+) -> Path:
+    """Write the publishable folder of ``checkpoint`` into ``out_dir`` (the checkpoint folder itself is allowed:
+    its card is rewritten in place). The card's table: ``leaderboard`` (a leaderboard.json), else ``report`` (a
+    report.json), else the checkpoint's own report.json. Returns ``out_dir``."""
+    src, out = Path(checkpoint), Path(out_dir)
+    _, info = read_checkpoint(src)  # refuses a folder that is not a drafters checkpoint, before anything is written
+    out.mkdir(parents=True, exist_ok=True)
+    if src.resolve() != out.resolve():
+        for name in (CONFIG_NAME, WEIGHTS_NAME, *RUN_FILES):
+            if (src / name).exists():
+                shutil.copy2(src / name, out / name)
+        for export in sorted(src.glob("export-*")):
+            shutil.copytree(export, out / export.name, dirs_exist_ok=True)
+        if (src / "target").exists():  # a jointly trained target's changes ride along (`load_target` applies them)
+            shutil.copytree(src / "target", out / "target", dirs_exist_ok=True)
+    exports = {}
+    for export in sorted(out.glob("export-*")):
+        readme = export / "README.md"
+        exports[export.name] = readme.read_text() if readme.exists() else "(no README in this export)"
+    board = Path(leaderboard) if leaderboard is not None else None
+    measured = Path(report) if report is not None else None
+    (out / "README.md").write_text(model_card(out, info, exports, board, measured))
+    return out
+
+
+def push(folder: Path, repo_id: str, log=print) -> bool:
+    """Upload ``folder`` to the hub as ``repo_id`` where a token and a network are there; otherwise say why."""
+    from huggingface_hub import HfApi, get_token
+
+    token = os.environ.get("HF_TOKEN") or get_token()
+    if not token:
+        log(f"not pushed: no Hugging Face token (set HF_TOKEN or run `hf auth login`); {folder} is ready to upload")
+        return False
+    try:
+        api = HfApi(token=token)
+        api.create_repo(repo_id, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id)
+    except Exception as e:  # no network, no rights: the folder on disk is the result
+        log(f"not pushed to {repo_id}: {type(e).__name__}: {e}; {folder} is ready to upload")
+        return False
+    log(f"pushed {folder} to https://huggingface.co/{repo_id}")
+    return True
+
+
+def main(argv: list[str] | None = None) -> Path:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="drafters publish", description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--out", type=Path, help="folder to write (default: <checkpoint>-published)")
+    ap.add_argument("--leaderboard", type=Path, help="a leaderboard.json whose rows make the card's table")
+    ap.add_argument("--report", type=Path, help="a report.json for the card's table (default: the checkpoint's)")
+    ap.add_argument("--push-to", help="hub repo id to upload to (needs a token and a network)")
+    args = ap.parse_args(argv)
+    out = publish(args.checkpoint, args.out or args.checkpoint.with_name(args.checkpoint.name + "-published"),
+                  args.leaderboard, args.report)  # fmt: skip
+    print(f"published {args.checkpoint} into {out} (model card: {out / 'README.md'})")
+    if args.push_to:
+        push(out, args.push_to)
+    else:
+        print("not pushed: no --push-to repo id given")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -252,4 +252,4 @@ def report_proposers(drafter: Eagle3Drafter, settings: ReportSettings, size: Cha
     return out
 
 
-FAMILY = register(DrafterFamily(Eagle3Drafter, Eagle3Proposer.signal, report_proposers))
+FAMILY = register(DrafterFamily(Eagle3Drafter, lambda drafter: Eagle3Proposer.signal, report_proposers))

@@ -5,7 +5,8 @@ beside its proposer, and registers it there:
 
 - ``drafter_class`` (models/): its ``method`` is the name the family's checkpoints carry in their ``drafters`` block
   (written at save time, read back here), and ``from_pretrained(path, target, tokenizer)`` loads one;
-- ``signal``: the target signal its proposers read (`infer.proposer.TargetSignal`);
+- ``signal(drafter)``: the target signal that drafter's proposers read (`infer.proposer.TargetSignal`): one for every
+  drafter of most families, read from the drafter where its own config chooses it;
 - ``report_proposers(drafter, settings, size)``: the proposer settings a report measures for one drafter of the
   family (a chain, a tree, ...; `ProposerSetting`), from the generic report settings (`ReportSettings`; a family that
   reads more of ``eval.report.ReportConfig`` says which field, in a protocol of its own module) and ``size``, which
@@ -91,8 +92,9 @@ class DrafterFamily:
 
     drafter_class: type[Drafter]
     """The drafter ``nn.Module`` class: its ``method`` and ``from_pretrained``."""
-    signal: TargetSignal
-    """The target signal the family's proposers read."""
+    signal: Callable[[Any], TargetSignal]
+    """drafter → the target signal its proposers read (a function of the drafter: a family may let each drafter
+    choose, as its config says)."""
     report_proposers: Callable[[Any, ReportSettings, ChainSizer], list[ProposerSetting]]
     """(drafter, report settings, chain sizer) → the proposer settings the report measures for that drafter."""
 

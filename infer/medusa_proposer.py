@@ -114,4 +114,4 @@ def report_proposers(drafter: MedusaDrafter, settings: MedusaReportSettings, siz
     return out
 
 
-FAMILY = register(DrafterFamily(MedusaDrafter, MedusaProposer.signal, report_proposers))
+FAMILY = register(DrafterFamily(MedusaDrafter, lambda drafter: MedusaProposer.signal, report_proposers))

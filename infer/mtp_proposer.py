@@ -2,10 +2,11 @@
 small tree of per-depth top-k candidates.
 
 Notation (models/mtp.py): context tokens c_0 … c_L, c_L the root (emitted by the last verify, not yet in the target's
-cache), h^0_i the target's last-layer output of c_i (observed for i < L). Depth j at position i reads h^{j-1}_i and
-c_{i+j} and its output predicts c_{i+j+1}; so depth j at position L-1 drafts c_{L+j}. Each depth keeps its own KV
-cache of *true* entries (inputs built from target signals and context tokens only: positions i ≤ L-j). A round, for
-j = 1 … k:
+cache), h^0_i the target's signal at c_i (observed for i < L): the final-norm output or the pre-norm one, as the
+drafter's ``input_signal`` says, so the proposer declares that signal per drafter. Depth j at position i reads
+h^{j-1}_i and c_{i+j} and its output predicts c_{i+j+1}; so depth j at position L-1 drafts c_{L+j}. Each depth keeps
+its own KV cache of *true* entries (inputs built from target signals and context tokens only: positions i ≤ L-j). A
+round, for j = 1 … k:
 
 1. feed depth j the positions from its committed count up to L-1 in one call: the leading ones are true (they
    become permanent cache slots), the last j-1 read drafted tokens c_{L+1} … c_{L+j-1} and the previous depth's
@@ -34,17 +35,21 @@ from infer.tree import DraftTree, chain
 from models.mtp import MTPDrafter
 
 
+def input_signal(drafter: MTPDrafter) -> TargetSignal:
+    """The target signal the drafter's first module reads (its config's ``input_signal``, a TargetSignal value)."""
+    return TargetSignal(drafter.config.input_signal)
+
+
 class MTPProposer(Proposer):
     """``k`` drafts per round (default D; k > D reuses the last module for depths D+1 … k); ``top_k`` > 1: the chain
-    plus ``top_k - 1`` leaf siblings per depth (a tree of 1 + k·top_k nodes)."""
-
-    signal = TargetSignal.PRE_NORM
+    plus ``top_k - 1`` leaf siblings per depth (a tree of 1 + k·top_k nodes). Reads h^0 as the drafter was trained."""
 
     def __init__(self, drafter: MTPDrafter, k: int | None = None, top_k: int = 1) -> None:
         k = drafter.config.num_modules if k is None else k
         if k < 1 or top_k < 1:
             raise ValueError("k and top_k must be >= 1")
         self.drafter, self.k, self.top_k = drafter.eval(), k, top_k
+        self.signal = input_signal(drafter)
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
         if self.device.type == "cpu":
@@ -208,4 +213,4 @@ def report_proposers(drafter: MTPDrafter, settings: MTPReportSettings, size: Cha
     return out
 
 
-FAMILY = register(DrafterFamily(MTPDrafter, MTPProposer.signal, report_proposers))
+FAMILY = register(DrafterFamily(MTPDrafter, input_signal, report_proposers))

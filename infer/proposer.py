@@ -26,9 +26,10 @@ class TargetSignal(StrEnum):
     AUX = "aux"
     """Aux-layer outputs concatenated, [B, T, A·H] (EAGLE-3's low / mid / high features)."""
     LAST_HIDDEN = "last_hidden"
-    """The final-norm output, [B, T, H] (what the target's head reads; Medusa heads)."""
+    """The final-norm output, [B, T, H] (what the target's head reads; Medusa heads, MTP modules by default)."""
     PRE_NORM = "pre_norm"
-    """The last decoder layer's output before the final norm, [B, T, H] (MTP modules)."""
+    """The last decoder layer's output before the final norm, [B, T, H] (MTP modules saved with input_signal
+    pre_norm)."""
 
     def of(self, out: TargetOutput) -> torch.Tensor:
         """This signal from one target forward."""

@@ -40,9 +40,9 @@ target's MTP modules serve in drafters' own runtime, infer/mtp_proposer.py):
   checkpoint). Qwen3-Next's norms scale by (1 + w): transformers already stores the target's norms (the block's and
   the final one) that way, so only our own enorm / hnorm (which scale by w) are written as w - 1.
 
-The served MTP signal differs from the trained one: drafters' MTP modules read the target's last-layer output
-before the final norm (TargetSignal.PRE_NORM), while vLLM, SGLang and transformers feed the final-norm output. The
-exports load; the README says so, and docs/exports.md has the sources.
+Both engines (and transformers) feed an MTP module the target's output after the final norm, so only modules trained
+on that signal (``MTPConfig.input_signal`` "last_hidden", the default) are written; a "pre_norm" drafter is refused
+with the reason, so a published folder is fed in the engine what it was trained on (docs/exports.md has the sources).
 """
 
 from __future__ import annotations
@@ -388,10 +388,8 @@ def save_medusa_original(
 
 # ------------------------------------------------------------------------------------------------ MTP
 SIGNAL_NOTE = """
-The hidden state the engine feeds this module differs from the one it was trained on: drafters' MTP modules read
-the target's last-layer output before the final norm, while vLLM and SGLang pass their model's output (after the
-final norm) and transformers passes `hidden_states[-1]` (also after it). The weights load; expect lower acceptance
-than in drafters' own runtime until the modules are trained on the final-norm signal.
+The module was trained on the target's output after the final norm (`input_signal: last_hidden`), the hidden state
+vLLM and SGLang pass their MTP module (their model's output) and transformers too (`hidden_states[-1]`).
 """
 
 
@@ -407,6 +405,17 @@ def _family_refusal(drafter: MTPDrafter, model_type: str, layout: str, engines: 
         f"the {layout} MTP layout is for {model_type} targets only: {engines}. This target is {have} "
         f"({drafter.config.block_class} blocks), so its MTP modules serve in drafters' own runtime "
         "(infer/mtp_proposer.py), not in vLLM or SGLang"
+    )
+
+
+def _signal_refusal(drafter: MTPDrafter) -> str | None:
+    if drafter.config.input_signal == "last_hidden":
+        return None
+    return (
+        "these modules read the target's last-layer output before the final norm (input_signal pre_norm), while vLLM "
+        "and SGLang feed their MTP module the model's output after the final norm (transformers: hidden_states[-1], "
+        "the same): served there, the module would see another input than in training and accept less. Train them "
+        "with mtp.input_signal=last_hidden; this drafter serves in drafters' own runtime (infer/mtp_proposer.py)"
     )
 
 
@@ -472,6 +481,7 @@ def mtp_deepseek_refusal(drafter: MTPDrafter, num_modules: int | None = None) ->
         "vLLM (deepseek_mtp.py) and SGLang (deepseek_nextn.py) build their own MTP block (DeepseekV2DecoderLayer: MLA "
         "attention and a mixture of experts) and route a draft to it only for model_type deepseek_v3",
     )
+    why = why or _signal_refusal(drafter)
     if why:
         return why
     D, N = drafter.config.num_modules, drafter.target.num_layers
@@ -609,6 +619,7 @@ def mtp_qwen3_next_refusal(drafter: MTPDrafter, module: int | None = None) -> st
         "gated full attention, a mixture of experts, (1 + w) norms) and route a draft to it only for model_type "
         "qwen3_next",
     )
+    why = why or _signal_refusal(drafter)
     if why:
         return why
     D = drafter.config.num_modules

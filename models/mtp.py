@@ -1,8 +1,10 @@
 """MTP modules (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" §2.2): D sequential multi-token-prediction modules
 on top of a target, used as a drafter for self-speculation.
 
-Module k (1-based) at position i reads the previous depth's hidden state h^{k-1}_i (h^0 = the target's last decoder
-layer output, before the final norm) and the embedding of token t_{i+k}::
+Module k (1-based) at position i reads the previous depth's hidden state h^{k-1}_i and the embedding of token
+t_{i+k}. h^0 is the target's signal ``MTPConfig.input_signal`` names: its final-norm output (new drafters: what vLLM,
+SGLang and transformers feed their DeepSeek-V3 / Qwen3-Next MTP modules, docs/exports.md) or its last decoder layer's
+output before that norm (checkpoints written before the field existed)::
 
     h'_i   = eh_proj [ enorm(emb(t_{i+k})) ; hnorm(h^{k-1}_i) ]      2H → H, no bias; embedding first (REFERENCE.md)
     h^k    = block_k(h')                                               one decoder layer of the target's own family,
@@ -38,6 +40,8 @@ from models.target import TargetModel
 
 METHOD = "mtp"
 BLOCK_INITS = ("last_layer", "random")
+INPUT_SIGNALS = ("last_hidden", "pre_norm")
+"""MTPConfig.input_signal values; they are infer.proposer.TargetSignal's, which models/ cannot import."""
 
 
 @dataclass
@@ -57,12 +61,18 @@ class MTPConfig:
     block_init: str = "last_layer"
     """"last_layer": every module's block starts as a copy of the target's last decoder layer (a warm start that
     small budgets need); "random": normal init, as when pre-training with MTP."""
+    input_signal: str = "last_hidden"
+    """h^0, the target signal module 1 reads: "last_hidden", the final-norm output (what vLLM, SGLang and transformers
+    feed an MTP module: the only setting the engine exports take); "pre_norm", the last decoder layer's output before
+    the final norm (the meaning of a checkpoint saved without this field)."""
 
     def __post_init__(self) -> None:
         if self.num_modules < 1:
             raise ValueError(f"num_modules must be >= 1, got {self.num_modules}")
         if self.block_init not in BLOCK_INITS:
             raise ValueError(f"block_init must be one of {BLOCK_INITS}, got {self.block_init!r}")
+        if self.input_signal not in INPUT_SIGNALS:
+            raise ValueError(f"input_signal must be one of {INPUT_SIGNALS}, got {self.input_signal!r}")
 
 
 class _KV:
@@ -155,9 +165,15 @@ class MTPDrafter(nn.Module):
 
     @classmethod
     def from_target(
-        cls, target: TargetModel, num_modules: int = 1, tokenizer=None, block_init: str = "last_layer"
+        cls,
+        target: TargetModel,
+        num_modules: int = 1,
+        tokenizer=None,
+        block_init: str = "last_layer",
+        input_signal: str = MTPConfig.input_signal,
     ) -> MTPDrafter:
-        """Fresh modules for ``target`` (blocks copied from its last layer unless block_init is "random")."""
+        """Fresh modules for ``target`` (blocks copied from its last layer unless block_init is "random") reading h^0
+        as ``input_signal`` says."""
         text = target.config.get_text_config()
         cfg = MTPConfig(
             hidden_size=target.hidden_size,
@@ -166,6 +182,7 @@ class MTPDrafter(nn.Module):
             num_modules=num_modules,
             rms_norm_eps=text.rms_norm_eps,
             block_init=block_init,
+            input_signal=input_signal,
         )
         drafter = cls(cfg, target, TargetInfo.of(target, tokenizer, method=cls.method))
         if block_init == "last_layer":
@@ -204,7 +221,8 @@ class MTPDrafter(nn.Module):
         if info.method != METHOD:
             raise ValueError(f"{path}: not an {METHOD} checkpoint (method={info.method!r})")
         info.check(target, tokenizer)
-        drafter = cls(from_dict(MTPConfig, raw), target, info)
+        # a config without input_signal predates the field: those modules were trained on the pre-norm output
+        drafter = cls(from_dict(MTPConfig, {"input_signal": "pre_norm", **raw}), target, info)
         state = read_weights(path)
         missing, unexpected = drafter.load_state_dict(state, strict=False)
         if missing or unexpected:
@@ -246,12 +264,12 @@ class MTPDrafter(nn.Module):
         return out, cache.keys, cache.values
 
     def hidden_states(
-        self, pre_norm: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor
+        self, target_hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor
     ) -> list[torch.Tensor]:
-        """Teacher-forced outputs of every depth [B, T, H] each. pre_norm [B, T, H]: the target's last-layer output;
-        input_ids / position_ids [B, T]; allowed [B, T, T] (causal, same sample). Depth k at position t reads token
-        t+k+1 (ids past the end are 0: those positions are masked by the loss)."""
-        hidden, out = pre_norm, []
+        """Teacher-forced outputs of every depth [B, T, H] each. target_hidden [B, T, H]: h^0, the target signal
+        ``config.input_signal`` names; input_ids / position_ids [B, T]; allowed [B, T, T] (causal, same sample). Depth
+        k at position t reads token t+k+1 (ids past the end are 0: those positions are masked by the loss)."""
+        hidden, out = target_hidden, []
         for k in range(self.config.num_modules):
             ids = F.pad(input_ids[:, k + 1 :], (0, k + 1), value=0)[:, : input_ids.shape[1]]
             hidden = self.module_step(k, hidden, ids, position_ids, allowed)[0]
@@ -260,7 +278,7 @@ class MTPDrafter(nn.Module):
 
     def forward(
         self,
-        pre_norm: torch.Tensor,
+        target_hidden: torch.Tensor,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         allowed: torch.Tensor,
@@ -268,5 +286,5 @@ class MTPDrafter(nn.Module):
     ) -> list[torch.Tensor]:
         """Training: depth k's logits [N_k, V] at the positions selected by ``positions[k]`` [B, T] bool (the head
         runs only where there is a label: a 49k-wide head over every token of every depth would dominate)."""
-        hidden = self.hidden_states(pre_norm, input_ids, position_ids, allowed)
+        hidden = self.hidden_states(target_hidden, input_ids, position_ids, allowed)
         return [self.logits(h[p]) for h, p in zip(hidden, positions)]

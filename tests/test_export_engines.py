@@ -37,6 +37,7 @@ from transformers import (
 )
 from transformers.modeling_layers import MtpModel
 
+from infer.mtp_proposer import input_signal
 from models.eagle3 import Eagle3Drafter
 from models.export import (
     FASTERDECODING_HEADS,
@@ -180,6 +181,19 @@ def _module_outputs_match(drafter: MTPDrafter, k: int, mtp: MtpModel, layer: int
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
 
+def _fed_what_it_was_trained_on(drafter: MTPDrafter, main: nn.Module) -> None:
+    """transformers' MTPCandidateGenerator hands MtpModel ``hidden_states[-1]`` of the main model's forward (asked with
+    output_hidden_states=-1), which capture_outputs ties to last_hidden_state, the final-norm output: a last_hidden
+    drafter's h^0 exactly, and not the pre-norm output an old drafter reads."""
+    ids = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        fed = main(ids, output_hidden_states=-1).hidden_states[-1]
+        out = drafter.target(ids)
+    assert drafter.config.input_signal == "last_hidden"
+    torch.testing.assert_close(fed, input_signal(drafter).of(out), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(fed, out.pre_norm_last, atol=1e-3)
+
+
 def _shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state.items()}
 
@@ -286,6 +300,7 @@ def test_deepseek_export_holds_what_vllm_and_sglang_load(deepseek, tmp_path):
     assert torch.equal(state[p + "shared_head.head.weight"], deepseek.lm_head.weight)
     readme = (out / "README.md").read_text()
     assert '"method": "mtp"' in readme and "--speculative-draft-model-path" in readme and "final norm" in readme
+    assert "input_signal: last_hidden" in readme
 
 
 def test_deepseek_export_loads_in_transformers_mtp_and_computes_our_module(deepseek, tmp_path, monkeypatch):
@@ -309,6 +324,7 @@ def test_deepseek_export_loads_in_transformers_mtp_and_computes_our_module(deeps
         assert torch.equal(mtp.layers[k].hnorm.weight, drafter.layers[k].hnorm.weight)
         assert torch.equal(mtp.layers[k].post_norm.weight, deepseek.final_norm.weight)
         _module_outputs_match(drafter, k, mtp, k)
+    _fed_what_it_was_trained_on(drafter, main)
 
 
 def test_deepseek_export_refusals(deepseek, tiny_target, tmp_path):
@@ -332,6 +348,14 @@ def test_deepseek_export_refusals(deepseek, tiny_target, tmp_path):
     with pytest.raises(ValueError, match="is for deepseek_v3 targets only.*serve in drafters' own runtime"):
         save_mtp_deepseek(llama, tmp_path / "d")
     assert not (tmp_path / "d").exists()
+    # modules trained on the pre-norm output: the engines feed the post-norm one, so no folder is written
+    pre = MTPDrafter.from_target(deepseek, num_modules=1, input_signal="pre_norm")
+    why = mtp_deepseek_refusal(pre)
+    assert "before the final norm (input_signal pre_norm)" in why and "vLLM and SGLang feed" in why
+    assert "after the final norm" in why and "mtp.input_signal=last_hidden" in why
+    with pytest.raises(ValueError, match=r"input_signal pre_norm.*after the final norm"):
+        save_mtp_deepseek(pre, tmp_path / "e")
+    assert not (tmp_path / "e").exists()
 
 
 # --------------------------------------------------------------------------------------- MTP: Qwen3-Next
@@ -450,6 +474,7 @@ def test_qwen3_next_export_loads_in_transformers_mtp_and_computes_our_module(qwe
     theirs = {n.removeprefix("layers.0.mtp_block."): t for n, t in mtp.state_dict().items()}
     assert all(torch.equal(ours[n], theirs[n]) for n in ours)
     _module_outputs_match(drafter, 1, mtp, 0)
+    _fed_what_it_was_trained_on(drafter, main)
 
 
 def test_qwen3_next_export_refusals(qwen3_next, tiny_target, tmp_path):
@@ -463,6 +488,11 @@ def test_qwen3_next_export_refusals(qwen3_next, tiny_target, tmp_path):
     assert "layer 0" in mtp_qwen3_next_refusal(mixed)
     with pytest.raises(ValueError, match="is for qwen3_next targets only.*serve in drafters' own runtime"):
         save_mtp_qwen3_next(MTPDrafter.from_target(tiny_target), tmp_path / "b")
+    pre = MTPDrafter.from_target(qwen3_next, input_signal="pre_norm")
+    assert "before the final norm (input_signal pre_norm)" in mtp_qwen3_next_refusal(pre)
+    with pytest.raises(ValueError, match=r"input_signal pre_norm.*after the final norm"):
+        save_mtp_qwen3_next(pre, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
 
 
 # ------------------------------------------------------------------------------------------------ Medusa

@@ -115,7 +115,7 @@ def tiny_chat(tiny_recipe):
 
 def test_a_fourth_family_declared_in_a_test_is_loaded_and_reported_like_the_shipped_ones(registry, tiny_chat, tmp_path):
     target, tokenizer = tiny_chat
-    toy = registry.register(DrafterFamily(EchoHeads, EchoProposer.signal, echo_report_proposers))
+    toy = registry.register(DrafterFamily(EchoHeads, lambda heads: EchoProposer.signal, echo_report_proposers))
     assert lookup("toy-echo") is toy and toy.method == "toy-echo"
 
     EchoHeads.from_target(target, num_drafts=3, tokenizer=tokenizer).save_pretrained(tmp_path / "echo")
@@ -199,23 +199,27 @@ def test_the_shipped_drafter_still_names_its_family():
 
 
 def test_shipped_families_report_proposers_that_read_the_declared_signal(tiny_target):
-    """Each family's report settings build proposers reading the signal its declaration names (what the runtime
-    computes for them), and the method the report labels them with is the drafter class's own."""
+    """Each family's report settings build proposers reading the signal its declaration names for that drafter (what
+    the runtime computes for them; an MTP drafter's own setting), and the method the report labels them with is the
+    drafter class's own."""
     medusa = MedusaDrafter.from_target(tiny_target, num_heads=2)
     medusa.config.tree_paths = [[0], [1], [0, 0]]
     drafters = [
         Eagle3Drafter.from_target(tiny_target, draft_vocab_size=16),
         medusa,
         MTPDrafter.from_target(tiny_target, 1),
+        MTPDrafter.from_target(tiny_target, 1, input_signal="pre_norm"),
     ]
     cfg = ReportConfig(chain_k=2, typical_acceptance=True, tree_total_tokens=4, tree_top_k=2, tree_depth=2)
-    settings = {}
+    settings, signals = {}, []
     for drafter in drafters:
         fam = family_of(drafter)
         assert fam.method == type(drafter).method and fam is FAMILIES[fam.method]
         made = fam.report_proposers(drafter, cfg, lambda make, longest: longest)
-        assert all(s.make().signal is fam.signal for s in made)
+        assert all(s.make().signal is fam.signal(drafter) for s in made)
+        signals.append(fam.signal(drafter))
         settings[fam.method] = [s.setting for s in made]
+    assert signals == [TargetSignal.AUX, TargetSignal.LAST_HIDDEN, TargetSignal.LAST_HIDDEN, TargetSignal.PRE_NORM]
     assert settings == {
         "eagle3": ["chain 2", "EAGLE-2 k2 d2 n4"],
         "medusa": ["chain 2", "chain 2, typical acceptance", "static tree n4"],

@@ -1,17 +1,22 @@
 """MTP modules (models/mtp.py) and MTP self-speculation (infer/mtp_proposer.py): causality of each depth, checkpoint
-round trip, greedy identity in the verify runtime, and drafts equal to the teacher-forced forward's argmax."""
+round trip (an old one without input_signal included), greedy identity in the verify runtime, and drafts equal to the
+teacher-forced forward's argmax on the target signal each drafter names."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.family import load_drafter
+from infer.family import family_of, load_drafter
 from infer.generate import generate_speculative, generate_vanilla
 from infer.mtp_proposer import MTPProposer
+from infer.proposer import TargetSignal
 from infer.sampling import SamplingParams
-from models.mtp import MTPDrafter
+from models.mtp import INPUT_SIGNALS, MTPDrafter
+from models.target import TargetOutput
 from train.features import attention_masks
 
 PROMPTS = [
@@ -28,6 +33,33 @@ SETTINGS = {"chain": {}, "reuse": {"k": 4}, "tree": {"top_k": 3}, "reuse-tree": 
 def drafter(tiny_target):
     torch.manual_seed(0)
     return MTPDrafter.from_target(tiny_target, num_modules=2, block_init="random")
+
+
+@pytest.fixture(scope="module")
+def scaled_norm_target():
+    """The tiny target with a final norm that is not the identity scale. With unit weights hnorm(final_norm(x)) equals
+    hnorm(x) up to eps, so no test could tell the two signals apart; real targets' final norms are far from 1."""
+    from models.target import TargetModel
+    from tests.conftest import tiny_llama
+
+    target = TargetModel(tiny_llama(seed=0))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        target.final_norm.weight.uniform_(0.1, 3.0)
+    return target
+
+
+@pytest.fixture(scope="module", params=INPUT_SIGNALS)
+def each_signal(request, scaled_norm_target):
+    """(input_signal, a drafter reading it, on `scaled_norm_target`)."""
+    torch.manual_seed(0)
+    drafter = MTPDrafter.from_target(scaled_norm_target, 2, block_init="random", input_signal=request.param)
+    return request.param, drafter
+
+
+def h0(out: TargetOutput, input_signal: str) -> torch.Tensor:
+    """The target signal a drafter's first module reads, spelled out here rather than through the code under test."""
+    return out.last_hidden if input_signal == "last_hidden" else out.pre_norm_last
 
 
 def test_depth_k_sees_no_token_beyond_t_plus_k(tiny_target, drafter):
@@ -86,9 +118,23 @@ def test_checkpoint_round_trip_is_bit_exact(tiny_target, drafter, tmp_path):
     drafter.save_pretrained(tmp_path)
     loaded = load_drafter(tmp_path, tiny_target)
     assert isinstance(loaded, MTPDrafter) and loaded.config == drafter.config
+    assert loaded.config.input_signal == "last_hidden"  # new drafters read what the engines feed
     a, b = drafter.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not any(k.startswith(("rotary", "embed", "lm_head")) for k in a)  # shared parts are the target's
+
+
+def test_a_checkpoint_saved_before_input_signal_loads_as_pre_norm(tiny_target, drafter, tmp_path):
+    """Modules saved before the field existed were trained on the pre-norm output: they must keep reading it (the
+    new default would feed them another input), and their proposer and family declare that signal."""
+    drafter.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["input_signal"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    old = load_drafter(tmp_path, tiny_target)
+    assert old.config.input_signal == "pre_norm"
+    assert MTPProposer(old).signal is TargetSignal.PRE_NORM and family_of(old).signal(old) is TargetSignal.PRE_NORM
+    assert MTPProposer(drafter).signal is TargetSignal.LAST_HIDDEN
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
@@ -104,16 +150,22 @@ def test_tree_shape(tiny_target, drafter):
     proposer = MTPProposer(drafter, k=3, top_k=2)
     ctx = PROMPTS[0]
     proposer.begin([ctx])
-    proposer.observe(tiny_target(torch.tensor([ctx[:-1]])).pre_norm_last, torch.tensor([len(ctx) - 1]))
+    proposer.observe(proposer.signal.of(tiny_target(torch.tensor([ctx[:-1]]))), torch.tensor([len(ctx) - 1]))
     tree = proposer.propose([ctx], GREEDY, torch.Generator())
     assert tree.tokens.shape == (1, 7)
     assert tree.parents[0].tolist() == [-1, 0, 0, 1, 1, 3, 3]  # chain node, then its sibling, per depth
 
 
-def test_drafts_equal_the_teacher_forced_forward(tiny_target, drafter):
+def test_drafts_equal_the_teacher_forced_forward(scaled_norm_target, each_signal):
     """Every round's chain (with reuse past D) equals the argmax of the training-path forward run over the context
-    followed by the drafts: the incremental per-depth caches compute exactly what training computes."""
+    followed by the drafts, fed the target signal the drafter names: the proposer reads that signal (fed the other
+    one, some round's drafts differ: the check can fail), and the incremental per-depth caches compute exactly what
+    training computes. Greedy output equals vanilla for both signals."""
+    tiny_target = scaled_norm_target
+    input_signal, drafter = each_signal
+    other = next(s for s in INPUT_SIGNALS if s != input_signal)
     proposer = MTPProposer(drafter, k=3)
+    assert proposer.signal is TargetSignal(input_signal)
     rounds = []
     propose = proposer.propose
 
@@ -123,22 +175,28 @@ def test_drafts_equal_the_teacher_forced_forward(tiny_target, drafter):
         return tree
 
     proposer.propose = record
-    generate_speculative(tiny_target, proposer, [PROMPTS[3]], GREEDY)
+    res = generate_speculative(tiny_target, proposer, [PROMPTS[3]], GREEDY)
+    assert res.tokens == generate_vanilla(tiny_target, [PROMPTS[3]], GREEDY).tokens
     assert len(rounds) > 3
-    for ctx, tokens in rounds:
+
+    def teacher_forced(ctx: list[int], tokens: list[int], signal: str) -> list[int]:
         L = len(ctx) - 1
         ids = torch.tensor([ctx + tokens[1:]])
         T = ids.shape[1]
         with torch.no_grad():
-            pre = tiny_target(torch.tensor([ctx[:-1]])).pre_norm_last
-            hidden = torch.cat([pre, pre.new_zeros(1, T - L, pre.shape[-1])], 1)  # later positions are never read
+            seen = h0(tiny_target(torch.tensor([ctx[:-1]])), signal)
+            hidden = torch.cat([seen, seen.new_zeros(1, T - L, seen.shape[-1])], 1)  # later positions are never read
             allowed = torch.ones(T, T, dtype=torch.bool).tril()[None]
             want = []
             for j in range(1, 4):
                 step_ids = F.pad(ids[:, j:], (0, j))[:, :T]
                 hidden = drafter.module_step(proposer.module_of(j), hidden, step_ids, torch.arange(T)[None], allowed)[0]
                 want.append(int(drafter.logits(hidden[0, L - 1]).argmax()))
-        assert tokens[1:] == want
+        return want
+
+    for ctx, tokens in rounds:
+        assert tokens[1:] == teacher_forced(ctx, tokens, input_signal)
+    assert any(tokens[1:] != teacher_forced(ctx, tokens, other) for ctx, tokens in rounds)
 
 
 def test_engine_exports_are_refused_for_a_llama_target(drafter, tmp_path):
@@ -166,7 +224,7 @@ def test_sampling_runs_with_draft_distributions(tiny_target, drafter, setting):
     proposer = MTPProposer(drafter, **SETTINGS[setting])
     ctx = PROMPTS[0]
     proposer.begin([ctx])
-    proposer.observe(tiny_target(torch.tensor([ctx[:-1]])).pre_norm_last, torch.tensor([len(ctx) - 1]))
+    proposer.observe(proposer.signal.of(tiny_target(torch.tensor([ctx[:-1]]))), torch.tensor([len(ctx) - 1]))
     tree = proposer.propose([ctx], params, torch.Generator().manual_seed(0))
     if setting == "chain":
         q = tree.draft_probs[0, :-1]

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from infer.family import load_drafter
+from infer.mtp_proposer import input_signal
 from models.checkpoint import read_checkpoint
 from models.config import ConfigError, load_config
 from models.loader import load_target
-from models.mtp import MTPDrafter
+from models.mtp import INPUT_SIGNALS, MTPDrafter
 from models.target import TargetConfig, TargetModel
 from tests.conftest import ROOT, run_to_end, tiny_run_args
 from train.mtp import ModulesConfig, MTPRecipeConfig
@@ -30,6 +31,35 @@ def test_loss_weights_split_one_lambda_over_depths_or_take_a_list_and_switch_at_
         ModulesConfig(num_modules=2, loss_weight=[1.0])
     with pytest.raises(ValueError, match=">= 0"):
         ModulesConfig(num_modules=1, loss_weight=-0.1)
+    with pytest.raises(ValueError, match="input_signal must be one of"):
+        ModulesConfig(input_signal="post_norm")
+
+
+@pytest.mark.parametrize("signal", INPUT_SIGNALS)
+def test_each_input_signal_trains_a_step_on_the_target_signal_it_names(tiny_target, signal):
+    """Depth 1 reads the target signal mtp.input_signal names, in the frozen path (run_modules) and the joint one
+    (JointMTP) alike, and one optimizer step on it moves the modules."""
+    import train.mtp as recipe
+    from train.features import target_forward
+    from train.losses import position_losses
+
+    torch.manual_seed(0)
+    drafter = MTPDrafter.from_target(tiny_target, 2, input_signal=signal)
+    ids = torch.randint(0, 97, (2, 10))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    targets = recipe.depth_targets(batch, 2)
+    positions = [p for p, _ in targets]
+    with torch.no_grad():
+        out = target_forward(tiny_target, batch, logits=False)
+        joint = recipe.JointMTP(tiny_target, drafter)(batch, positions, positions[0], train_target=False)[1]
+    hidden = input_signal(drafter).of(out)
+    assert hidden is (out.last_hidden if signal == "last_hidden" else out.pre_norm_last)
+    logits = recipe.run_modules(drafter, hidden, batch, positions)
+    assert all(torch.equal(a, b) for a, b in zip(logits, joint))
+    before = drafter.layers[0].eh_proj.weight.detach().clone()
+    position_losses(logits, targets, [0.15, 0.15])["loss"].backward()
+    torch.optim.SGD(drafter.parameters(), lr=0.1).step()
+    assert not torch.equal(before, drafter.layers[0].eh_proj.weight)
 
 
 def test_offline_features_are_refused_with_the_reason():
@@ -54,6 +84,17 @@ def test_a_missing_init_checkpoint_is_refused_before_anything_loads(tmp_path):
     with pytest.raises(SystemExit, match="mtp.init_from=.*no checkpoint there"):
         recipe.main(mtp_args(tmp_path, tmp_path / "out", f"mtp.init_from={tmp_path / 'none'}"))
     assert not (tmp_path / "out").exists()
+
+
+def test_continuing_modules_trained_on_another_signal_is_refused(tiny_recipe, tmp_path):
+    """mtp.init_from keeps the checkpoint's modules, which learned to read its signal: a recipe asking for the other
+    one is refused with the setting that continues it (an old checkpoint without the field reads pre_norm)."""
+    import train.mtp as recipe
+
+    target = TargetModel.from_config(TargetConfig(name_or_path=str(tiny_recipe / "target"), device="cpu"))
+    MTPDrafter.from_target(target, 2, input_signal="pre_norm").save_pretrained(tmp_path / "old")
+    with pytest.raises(SystemExit, match="reads the target's pre_norm signal.*set mtp.input_signal=pre_norm"):
+        recipe.main(mtp_args(tiny_recipe, tmp_path / "out", f"mtp.init_from={tmp_path / 'old'}"))
 
 
 def test_a_dataset_with_nothing_to_train_on_is_refused_before_the_target_loads(tiny_recipe, tmp_path, monkeypatch):
@@ -82,6 +123,7 @@ def test_frozen_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp
     recipe.main(mtp_args(tiny_recipe, out, "train.max_steps=4"))
     printed = capsys.readouterr().out
     assert "modules: 2 x LlamaDecoderLayer (last_layer)" in printed and "λ [0.15, 0.15]" in printed
+    assert "h^0 = the target's last_hidden" in printed
     for name in ("config.json", "model.safetensors", "report.json"):
         assert (out / name).exists(), name
     # a Llama target: neither engine layout holds its modules (they serve in drafters' runtime), and the log says so
@@ -96,6 +138,7 @@ def test_frozen_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp
     assert last["lambda"] == pytest.approx([0.15, 0.15])
     raw, info = read_checkpoint(out)
     assert info.method == "mtp" and info.target_weights is None and raw["num_modules"] == 2
+    assert raw["input_signal"] == "last_hidden"
 
     rows = json.loads((out / "report.json").read_text())["results"]
     mtp = {r["setting"]: r for r in rows if r["proposer"] == "mtp"}

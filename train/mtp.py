@@ -10,14 +10,14 @@ class) → loop → checkpoint + DeepSeek-V3 / Qwen3-Next exports → τ / speed
 past D, and a per-depth top-k tree) beside prompt lookup, the small draft model and the drafters in ``report.compare``.
 
 Loss (DeepSeek-V3 §2.2): L = L_main + Σ_d λ_d · CE_d. Depth d (0-based) at position t reads the depth d-1 output at t
-(d = 0: the target's last-layer output before the final norm) and the embedding of token t+1+d, and predicts token
-t+2+d; CE_d is its mean cross-entropy over the loss tokens. λ is one value (λ/D for each depth, as DeepSeek-V3
-writes it) or one per depth, optionally switched at a step (DeepSeek-V3: 0.3, then 0.1). L_main, the target's own
-next-token loss, is there in joint mode only (``target.mode: joint``; LoRA or full): the target trains with the
-modules, after ``joint.modules_warmup_steps`` in which only the modules train. The main-loss change is the quality
+(d = 0: the target's signal ``mtp.input_signal`` names, by default its final-norm output, which the engines feed) and
+the embedding of token t+1+d, and predicts token t+2+d; CE_d is its mean cross-entropy over the loss tokens. λ is one
+value (λ/D for each depth, as DeepSeek-V3 writes it) or one per depth, optionally switched at a step (DeepSeek-V3: 0.3,
+then 0.1). L_main, the target's own next-token loss, is there in joint mode only (``target.mode: joint``; LoRA or
+full): the target trains with the modules, after ``joint.modules_warmup_steps`` in which only the modules train. The main-loss change is the quality
 guard: held-out LM loss and top-1 agreement with the original target, before and after, logged and in the report.
-Features are online: every step runs the target (the offline cache holds the final-norm state, not the pre-norm one
-the modules read, and a joint target changes every step).
+Features are online: every step runs the target (a joint target changes every step, and the offline cache holds no
+pre-norm state for ``mtp.input_signal: pre_norm``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from accelerate.utils import set_seed  # noqa: E402
 from torch import nn  # noqa: E402
 
 from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
+from infer.mtp_proposer import input_signal  # noqa: E402
 from infer.tree_search import expected_accepted  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.export import (  # noqa: E402
@@ -43,7 +44,7 @@ from models.export import (  # noqa: E402
     save_mtp_deepseek,
     save_mtp_qwen3_next,
 )
-from models.mtp import BLOCK_INITS, MTPDrafter  # noqa: E402
+from models.mtp import BLOCK_INITS, INPUT_SIGNALS, MTPConfig, MTPDrafter  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
 from train.data import (
@@ -78,6 +79,9 @@ class ModulesConfig:
     """D sequential modules; depth d (1-based) predicts token t+1+d (DeepSeek-V3: D = 1)."""
     block_init: str = "last_layer"
     """Each module's block starts as a copy of the target's last layer ("last_layer") or random ("random")."""
+    input_signal: str = MTPConfig.input_signal
+    """h^0: the target's final-norm output ("last_hidden", what vLLM / SGLang / transformers feed, so the engine
+    exports take it) or its last-layer output before the norm ("pre_norm": drafters' runtime only)."""
     loss_weight: float | list[float] = 0.3
     """λ: one value (each depth weighs λ/D, DeepSeek-V3) or one weight per depth."""
     loss_weight_later: float | list[float] | None = None
@@ -91,6 +95,8 @@ class ModulesConfig:
     def __post_init__(self) -> None:
         if self.num_modules < 1 or self.block_init not in BLOCK_INITS:
             raise ValueError(f"need num_modules >= 1 and block_init in {BLOCK_INITS}")
+        if self.input_signal not in INPUT_SIGNALS:
+            raise ValueError(f"input_signal must be one of {INPUT_SIGNALS}, got {self.input_signal!r}")
         for w in (self.loss_weight, self.loss_weight_later):
             if isinstance(w, list) and len(w) != self.num_modules:
                 raise ValueError(f"a per-depth loss weight list needs {self.num_modules} entries, got {w}")
@@ -139,8 +145,8 @@ class MTPRecipeConfig:
     def __post_init__(self) -> None:
         if self.train.features != "online":
             raise ValueError(
-                "MTP trains on online features (train.features=online): the modules read the target's last-layer "
-                "output before the final norm, which the offline cache does not hold"
+                "MTP trains on online features (train.features=online): the loop runs the target every step (a joint "
+                "target changes every step; the offline cache holds no pre-norm state for mtp.input_signal=pre_norm)"
             )
 
 
@@ -158,13 +164,15 @@ class JointMTP(nn.Module):
         with torch.set_grad_enabled(train_target and torch.is_grad_enabled()):
             out = target_forward(self.target, batch, logits=False)
         lm_logits = self.target.lm_head(out.last_hidden[lm_positions]) if train_target else None
-        return lm_logits, run_modules(self.drafter, out.pre_norm_last, batch, positions)
+        return lm_logits, run_modules(self.drafter, input_signal(self.drafter).of(out), batch, positions)
 
 
-def run_modules(drafter: MTPDrafter, pre_norm: torch.Tensor, batch: dict, positions: list[torch.Tensor]):
-    """Depth d's logits [N_d, V] at ``positions[d]`` [B, T] bool, teacher-forced on the batch's tokens."""
+def run_modules(drafter: MTPDrafter, target_hidden: torch.Tensor, batch: dict, positions: list[torch.Tensor]):
+    """Depth d's logits [N_d, V] at ``positions[d]`` [B, T] bool, teacher-forced on the batch's tokens; target_hidden
+    [B, T, H] is h^0 (the signal the drafter's input_signal names). ``drafter`` may be its distributed wrapper."""
     allowed, position_ids, _ = attention_masks(batch)
-    return drafter(pre_norm.to(next(drafter.parameters()).dtype), batch["input_ids"], position_ids, allowed, positions)
+    hidden = target_hidden.to(next(drafter.parameters()).dtype)
+    return drafter(hidden, batch["input_ids"], position_ids, allowed, positions)
 
 
 def depth_targets(batch: dict, D: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -178,14 +186,14 @@ def evaluate(accelerator, target: TargetModel, drafter: MTPDrafter, eval_set, tc
     """Held-out, teacher-forced: every depth's loss and rank accuracy (how often the label is its r-th candidate,
     r < R) → simulated τ of the chain and expected τ of the chain + top-R sibling tree the proposer builds."""
     drafter.eval()
-    D = drafter.config.num_modules
+    D, signal = drafter.config.num_modules, input_signal(drafter)
     hits, loss = torch.zeros(D, R, device=accelerator.device), torch.zeros(D, device=accelerator.device)
     count = torch.zeros(D, device=accelerator.device)
     for batch in eval_batches(accelerator, tc, eval_set, pad_id):
         targets = depth_targets(batch, D)
-        pre_norm = target_forward(target, batch, logits=False).pre_norm_last
+        hidden = signal.of(target_forward(target, batch, logits=False))
         for d, (logits, (positions, labels)) in enumerate(
-            zip(run_modules(drafter, pre_norm, batch, [p for p, _ in targets]), targets)
+            zip(run_modules(drafter, hidden, batch, [p for p, _ in targets]), targets)
         ):
             hits[d] += rank_hits(logits, labels[positions], R)
             loss[d] += F.cross_entropy(logits.float(), labels[positions], reduction="sum")
@@ -228,13 +236,19 @@ def main(argv: list[str]) -> None:
             raise SystemExit(
                 f"{mc.init_from} has {drafter.config.num_modules} modules, mtp.num_modules is {mc.num_modules}"
             )
+        if drafter.config.input_signal != mc.input_signal:  # its modules learned to read that signal
+            raise SystemExit(
+                f"{mc.init_from} reads the target's {drafter.config.input_signal} signal, mtp.input_signal is "
+                f"{mc.input_signal}: set mtp.input_signal={drafter.config.input_signal} to continue it"
+            )
     else:
-        drafter = MTPDrafter.from_target(target, mc.num_modules, tokenizer, mc.block_init)
+        drafter = MTPDrafter.from_target(target, mc.num_modules, tokenizer, mc.block_init, mc.input_signal)
     drafter.train()
+    signal = input_signal(drafter)  # read here: the loop's ``model`` may be a distributed wrapper
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     log(
-        f"modules: {mc.num_modules} x {drafter.config.block_class} ({mc.block_init}), {trainable / 1e6:.1f} M "
-        f"trainable parameters, λ {mc.weights_at(0)}"
+        f"modules: {mc.num_modules} x {drafter.config.block_class} ({mc.block_init}), h^0 = the target's {signal}, "
+        f"{trainable / 1e6:.1f} M trainable parameters, λ {mc.weights_at(0)}"
         + (
             f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
             if joint
@@ -271,8 +285,8 @@ def main(argv: list[str]) -> None:
                     lm_loss = joint_lm_loss(jc.lm_loss, lm_logits, target, original, batch, lm_pos, lm_labels)
             else:
                 with torch.no_grad():
-                    pre_norm = target_forward(target, batch, logits=False).pre_norm_last
-                depth_logits = run_modules(model, pre_norm, batch, [p for p, _ in targets])
+                    hidden = signal.of(target_forward(target, batch, logits=False))
+                depth_logits = run_modules(model, hidden, batch, [p for p, _ in targets])
             res = position_losses(depth_logits, targets, mc.weights_at(progress.step))
             loss = lm_loss + res["loss"]
             accelerator.backward(loss)  # divided by train.grad_accum there

@@ -170,19 +170,12 @@ def method_of(r: dict) -> str:
 
 
 def evidence(r: dict) -> str:
-    """The row's lossless evidence in words."""
-    if r.get("lossy"):
-        return "lossy (typical acceptance)"
-    if r["temperature"] > 0:
+    """The row's lossless evidence in words (`eval.measure.evidence_words` at T = 0)."""
+    from eval.measure import evidence_words
+
+    if r["temperature"] > 0 and not r.get("lossy"):
         return "lossless rule (rejection sampling)"
-    if r.get("greedy_identical") is None:
-        return "not compared"
-    words = f"greedy identical {r['greedy_identical']:.2f}"
-    if r.get("unexplained_divergences") is not None:
-        words += f", {r['unexplained_divergences']} unexplained"
-    if r.get("greedy_identical_fp32") is not None:
-        words += f", fp32 {r['greedy_identical_fp32']:.2f}"
-    return words
+    return evidence_words(r)
 
 
 def _category_rows(rows: list[dict]) -> list[dict]:
@@ -300,11 +293,8 @@ def write_plots(board: dict, out: Path) -> list[Path]:
         ax.bar(xs, [vals[c] for c in cats if c in vals], width, label=m, color=colors[i % len(colors)])
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats)
-    ax.set_ylabel("speedup over the fastest vanilla (x)")
-    ax.set_xlabel("prompt category")
-    ax.set_title(f"Speedup per category, T = {first_t:g}, batch 1\n{title}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    paths.append(_save(fig, out / "speedup_by_category.png"))
+    paths.append(_finish(fig, ax, "prompt category", "speedup over the fastest vanilla (x)",
+                         f"Speedup per category, T = {first_t:g}, batch 1\n{title}", out / "speedup_by_category.png"))  # fmt: skip
 
     # acceptance per draft position (every category pooled by the cell's "all" row)
     fig, ax = plt.subplots(figsize=(11, 5))
@@ -315,12 +305,9 @@ def write_plots(board: dict, out: Path) -> list[Path]:
         depth = max(len(a) for a in alphas)
         mean = [sum(a[k] for a in alphas if k < len(a)) / sum(k < len(a) for a in alphas) for k in range(depth)]
         ax.plot(range(1, depth + 1), mean, marker="o", label=m)
-    ax.set_xlabel("draft position (depth in the verified tree)")
-    ax.set_ylabel("acceptance rate α at that position")
     ax.set_ylim(0, 1)
-    ax.set_title(f"Acceptance per draft position, T = {first_t:g}\n{title}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    paths.append(_save(fig, out / "acceptance_by_position.png"))
+    paths.append(_finish(fig, ax, "draft position (depth in the verified tree)", "acceptance rate α at that position",
+                         f"Acceptance per draft position, T = {first_t:g}\n{title}", out / "acceptance_by_position.png"))  # fmt: skip
 
     # speedup against batch size (overall per method)
     fig, ax = plt.subplots(figsize=(11, 5))
@@ -331,11 +318,8 @@ def write_plots(board: dict, out: Path) -> list[Path]:
         ax.plot(sizes, ys, marker="o", label=m)
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (rows decoded together)")
-    ax.set_ylabel("speedup over vanilla at that batch size (x)")
-    ax.set_title(f"Speedup against batch size, T = {first_t:g}\n{title}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    paths.append(_save(fig, out / "speedup_by_batch.png"))
+    paths.append(_finish(fig, ax, "batch size (rows decoded together)", "speedup over vanilla at that batch size (x)",
+                         f"Speedup against batch size, T = {first_t:g}\n{title}", out / "speedup_by_batch.png"))  # fmt: skip
 
     # τ against prompt length (one point per generate call)
     fig, ax = plt.subplots(figsize=(11, 5))
@@ -343,12 +327,17 @@ def write_plots(board: dict, out: Path) -> list[Path]:
     for m in sorted({method_of(r) for r in calls}):
         pts = [(c[0], c[1] / c[2]) for r in calls if method_of(r) == m for c in r["per_call"] if c[2]]
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, label=m, alpha=0.7)
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("τ: tokens per target forward (vanilla = 1)")
-    ax.set_title(f"τ against prompt length, T = {first_t:g}, batch 1\n{title}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    paths.append(_save(fig, out / "tau_by_prompt_length.png"))
+    paths.append(_finish(fig, ax, "prompt length (tokens)", "τ: tokens per target forward (vanilla = 1)",
+                         f"τ against prompt length, T = {first_t:g}, batch 1\n{title}", out / "tau_by_prompt_length.png"))  # fmt: skip
     return paths
+
+
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:

@@ -4,7 +4,7 @@ drafters get-target [NAME] [--out DIR] [--force]        # build a reference targ
 drafters quickstart [--skip-training] [--prompts N]     # target, one chat answer, a short EAGLE-3 run, τ + speedup
 drafters report --drafter DIR [key=value ...]            # τ / speedup report of any checkpoint (eval/report.py)
 drafters leaderboard [key=value ...]                     # every method, categories x T x batch sizes (eval/leaderboard.py)
-drafters publish CHECKPOINT [--out DIR] [--push-to REPO]   # a hub-ready folder with its model card (models/publish.py)
+drafters publish CHECKPOINT [--out DIR] [--push-to REPO]   # a hub-ready folder with its model card (eval/publish.py)
 drafters bench [args of eval.bench_runtime]              # runtime benchmark of the drafter-free proposers
 drafters build-data [args of train.chat_data]            # self-synthesised, self-distilled chat data (resumable)
 drafters bench-answerer [args of train.answerer]         # self-distillation answer tokens/s beside this machine's limit
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         "quickstart": quickstart,
         "report": _report,
         "leaderboard": _leaderboard,
-        "publish": lambda a: _run_module("models.publish", a),
+        "publish": lambda a: _run_module("eval.publish", a),
         "bench": lambda a: _run_module("eval.bench_runtime", a),
         "build-data": lambda a: _run_module("train.chat_data", a),
         "bench-answerer": lambda a: _run_module("train.answerer", a),

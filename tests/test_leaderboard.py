@@ -4,6 +4,7 @@ the others go on, and md / csv / json / PNG outputs."""
 
 import csv
 import json
+import re
 import shutil
 
 import pytest
@@ -79,13 +80,14 @@ def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, mo
     assert any(p.startswith("draft model") for p, _ in methods)
     assert {r["cell"] for r in board["results"]} == {"questions__T0__bs1", "questions__T1__bs1"}
     greedy = [r for r in board["results"] if r["temperature"] == 0.0 and r.get("tau")]
-    assert greedy and all(r["greedy_identical"] == 1.0 for r in greedy)  # fp32 target: identity is exact
+    assert greedy and all(r["unexplained_divergences"] == 0 for r in greedy)  # bf16 near-ties may be explained
     assert all(r["per_call"] for r in greedy)
 
     md = (out / "leaderboard.md").read_text()
     assert "## T = 0, batch size 1" in md and "## T = 1, batch size 1" in md
     assert "| method | math | writing | mean τ | overall | lossless evidence |" in md
-    assert "greedy identical 1.00" in md and "lossless rule (rejection sampling)" in md
+    # eval.measure.evidence_words, in the dtype the precision policy served the tiny target in
+    assert re.search(r"\| (bf16|fp32) 1\.00", md) and "lossless rule (rejection sampling)" in md
     assert "`missing__T0__bs1`: failed" in md
     with open(out / "leaderboard.csv") as f:
         assert len(list(csv.DictReader(f))) == len(board["results"])

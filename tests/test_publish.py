@@ -1,16 +1,18 @@
-"""`drafters publish` (models/publish.py): a hub-ready folder with its model card, and no push without a token."""
+"""`drafters publish` (eval/publish.py): a hub-ready folder with its model card, and no push without a token."""
 
 import json
 
 import pytest
 import yaml
 
+from eval.publish import publish, push
 from models.eagle3 import Eagle3Drafter
-from models.publish import publish, push
 
 ROW = {
     "proposer": "eagle3", "setting": "chain 3", "category": "all", "temperature": 0.0, "batch_size": 1, "tau": 1.85,
-    "speedup": 1.08, "greedy_identical": 1.0, "unexplained_divergences": 0, "lossy": False,
+    "speedup": 1.08, "greedy_identical": 1.0, "unexplained_divergences": 0, "lossy": False, "dtype": "bfloat16",
+    "divergences": [{"explained": True}], "explained_divergences": 1, "greedy_identical_fp32": 1.0,
+    "fp32_divergences": [],
 }  # fmt: skip
 
 
@@ -40,7 +42,8 @@ def test_publish_writes_the_card_weights_and_exports_and_does_not_push_without_a
     assert front["library_name"] == "drafters" and "eagle3" in front["tags"]
     assert front["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and front["license"] == "apache-2.0"
     assert "datasets" not in front  # local data is described in the body, not named as a hub dataset
-    assert "| 0 | all | eagle3 | chain 3 | 1.85 | 1.08x | greedy identical 1.00, 0 unexplained |" in card
+    evidence = "bf16 1.00 (1 diverged: 1 within bf16 rounding, 0 unexplained); fp32 1.00"
+    assert f"| 0 | all | eagle3 | chain 3 | 1.85 | 1.08x | {evidence} |" in card
     assert "SGLang: --speculative-algorithm EAGLE3" in card and "Prompt set: 6 questions" in card
     assert "held-out top-1 accuracy per draft depth 0.500, 0.400" in card and "250–250 training tokens/s" in card
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from eval.leaderboard import evidence
 from models.checkpoint import CONFIG_NAME, WEIGHTS_NAME, TargetInfo, read_checkpoint
 from models.reference import REFERENCE_TARGETS
 
@@ -72,22 +73,9 @@ def results_table(rows: list[dict]) -> str:
         tau = f"{r['tau']:.2f}" if r.get("tau") else "—"
         lines.append(
             f"| {r['temperature']:g} | {r['category']} | {r['proposer']} | {r['setting']} | {tau} | "
-            f"{r['speedup']:.2f}x | {_evidence(r)} |"
+            f"{r['speedup']:.2f}x | {evidence(r)} |"
         )
     return "\n".join(lines)
-
-
-def _evidence(r: dict) -> str:
-    if r.get("lossy"):
-        return "lossy (typical acceptance)"
-    if r["temperature"] > 0:
-        return "lossless rule (rejection sampling)"
-    if r.get("greedy_identical") is None:
-        return "—"
-    words = f"greedy identical {r['greedy_identical']:.2f}"
-    if r.get("unexplained_divergences") is not None:
-        words += f", {r['unexplained_divergences']} unexplained"
-    return words
 
 
 def _training(folder: Path) -> str:

@@ -61,6 +61,9 @@ class LeaderboardConfig:
     budget_min: float = 45.0
     """No new cell starts after this many minutes (finished cells are kept; a rerun does the rest)."""
     out: str = "outputs/leaderboard"
+    readme: str | None = None
+    """A README whose block between `README_BEGIN` and `README_END` is replaced by the leaderboard's headline table
+    (the repository's README shows the shipped drafters' run this way)."""
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,34 @@ def write_markdown(board: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+README_BEGIN = "<!-- leaderboard:begin -->"
+README_END = "<!-- leaderboard:end -->"
+
+
+def readme_table(board: dict) -> str:
+    """The headline table: every method's overall speedup and mean τ per (T, batch size), with the machine, target
+    and prompts it was measured on (generated: the README's block is this text, a test compares them)."""
+    lines = [f"Measured by `drafters leaderboard` on {board.get('target')}, {board.get('machine')}, {board['created']}; "
+             f"prompts: {', '.join(sorted({c['source'] for c in board['cells']}))}.", ""]  # fmt: skip
+    for temp, bs, _, entries in tables(board):
+        lines += [f"| T = {temp:g}, batch {bs} | overall speedup | mean τ | lossless evidence |", "|---|---|---|---|"]
+        for e in entries:
+            tau = f"{e['tau']:.2f}" if e["tau"] else "—"
+            lines.append(f"| {e['method']} | {e['speedup']:.2f}x | {tau} | {e['evidence']} |")
+        lines.append("")
+    return "\n".join(lines).strip()
+
+
+def update_readme(board: dict, path: Path) -> None:
+    """Replace the block between the markers of ``path`` by `readme_table` (the markers must be there)."""
+    text = path.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise ValueError(f"{path} has no {README_BEGIN} ... {README_END} block for the leaderboard table")
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    path.write_text(f"{head}{README_BEGIN}\n{readme_table(board)}\n{README_END}{tail}")
+
+
 CSV_FIELDS = ("cell", "category", "temperature", "batch_size", "proposer", "setting", "speedup", "tau",
               "tokens_per_s", "vanilla_tokens_per_s", "vanilla_dtype", "dtype", "greedy_identical",
               "greedy_identical_fp32", "unexplained_divergences", "lossy", "prompts", "new_tokens")  # fmt: skip
@@ -383,6 +414,8 @@ def main(argv: list[str] | None = None) -> dict:
     statuses = run_cells(cfg, run_cell)
     board = collect(cfg, statuses)
     write_outputs(board, Path(cfg.out))
+    if cfg.readme:
+        update_readme(board, Path(cfg.readme))
     done = sum(s["status"] in ("done", "reused") for s in statuses)
     print(f"leaderboard: {done}/{len(statuses)} cells; written to {cfg.out}/leaderboard.md")
     return board

@@ -99,3 +99,23 @@ def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, mo
     assert {c["cell"]: c["status"] for c in again["cells"]}["questions__T0__bs1"] == "reused"
     assert all("missing" in str(folder) for folder in calls)  # finished cells are not measured again
     assert len(again["results"]) == len(board["results"])
+
+
+def test_the_readme_block_is_generated_from_the_leaderboard_json(tmp_path):
+    from eval.leaderboard import README_BEGIN, README_END, readme_table, update_readme
+
+    row = {"proposer": "eagle3", "setting": "chain 3", "category": "all", "temperature": 0.0, "batch_size": 1,
+           "speedup": 1.25, "tau": 2.0, "new_tokens": 100, "tokens_per_s": 25.0, "vanilla_new_tokens": 100,
+           "vanilla_tokens_per_s": 20.0, "lossy": False, "greedy_identical": 1.0, "dtype": "float32",
+           "divergences": [], "explained_divergences": 0, "cell": "q__T0__bs1", "source": "q.jsonl"}  # fmt: skip
+    board = {"target": "t", "machine": "m", "created": "now", "results": [row],
+             "cells": [{"cell": "q__T0__bs1", "source": "q.jsonl", "status": "done"}]}  # fmt: skip
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{README_BEGIN}\nold\n{README_END}\n\nmore\n")
+    update_readme(board, readme)
+    text = readme.read_text()
+    assert "old" not in text and text.endswith(f"{README_END}\n\nmore\n")
+    assert "| eagle3 (chain 3) | 1.25x | 2.00 | fp32 1.00 |" in text and readme_table(board) in text
+    readme.write_text("no block")
+    with pytest.raises(ValueError):
+        update_readme(board, readme)

@@ -74,27 +74,23 @@ class HybridProposer(Proposer):
         for kind, _ in chains:
             self.steps[kind] += 1
         if learned.draft_probs is not None:  # sampled drafts: one source per row, chosen from the match alone
-            if not any(kind == "strong" for kind, _ in chains):
-                return learned
-            return self._merge(learned, chains, use_learned=[kind != "strong" for kind, _ in chains], sampled=True)
-        return self._merge(learned, chains, use_learned=[True] * len(contexts), sampled=False)
+            use_learned = [kind != "strong" for kind, _ in chains]
+            return learned if all(use_learned) else self._mixed_rows(learned, chains, use_learned)
+        return self._merge(learned, chains)
 
-    def _merge(
-        self, learned: DraftTree, chains: list[tuple[str, list[int]]], use_learned: list[bool], sampled: bool
-    ) -> DraftTree:
-        if sampled:  # a mix of rows: sampled rows keep their q, lookup rows are one-hot
-            return self._mixed_rows(learned, chains, use_learned)
+    def _merge(self, learned: DraftTree, chains: list[tuple[str, list[int]]]) -> DraftTree:
+        """Deterministic learned trees: each row's tree and its lookup chain as one trie (`_union`)."""
         tokens, parents, valid = learned.tokens.tolist(), learned.parents.tolist(), learned.valid.tolist()
         rows, pars = [], []
         for b, (kind, chain) in enumerate(chains):
             nodes = [i for i in range(len(tokens[b])) if valid[b][i]]
-            lookup_first = kind == "strong"
+            index = {node: k for k, node in enumerate(nodes)}  # padding removed: parents renumbered
             row_tokens, row_parents = _union(
                 [tokens[b][i] for i in nodes],
-                [nodes.index(parents[b][i]) if i else -1 for i in nodes],
+                [index[parents[b][i]] if i else -1 for i in nodes],
                 chain,
                 self.budget,
-                lookup_first,
+                lookup_first=kind == "strong",
             )
             rows.append(row_tokens)
             pars.append(row_parents)

@@ -31,6 +31,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from eval.measure import prepare_target, quiet_routing
 from eval.stdlib_corpus import heldout_prompts
+from infer.attention import additive_mask
+from infer.batch_policy import BatchPolicy
 from infer.generate import DecodeState, generate_speculative, prefill, verify_tree
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
@@ -259,6 +261,95 @@ def size_tree(
     return sizing
 
 
+AUTO_MARGIN = 0.10
+"""The predicted gain a batch's chain must promise over vanilla to be switched on: the report's sizing check found
+the chosen settings' predictions within about this of the measured speedups, so a smaller promise may be a loss."""
+BATCH_PILOT_TOKENS = 16
+"""Tokens of the short pilot that times the draft step and bookkeeping at each batch size."""
+
+
+@dataclass
+class BatchSizing:
+    """How the batch-aware policy was chosen: per batch size, the costs measured there and the predicted speedup of
+    every chain length (acceptance per position is a row's, the same at every batch size)."""
+
+    policy: BatchPolicy
+    alpha: list[float]
+    by_batch: dict[int, dict]
+    """batch size → verify_ms (by tokens per row), vanilla_ms, draft_step_ms, overhead_ms, predicted_speedup (by
+    chain length) and the chosen length k."""
+
+    def account(self) -> str:
+        parts = []
+        for b, m in sorted(self.by_batch.items()):
+            pred = " ".join(f"{k}:{x:.2f}" for k, x in m["predicted_speedup"].items())
+            parts.append(
+                f"bs {b}: vanilla {m['vanilla_ms']:.0f} ms, verify {m['verify_ms'][2]:.0f}..{max(m['verify_ms'].values()):.0f}"
+                f" ms, draft step {m['draft_step_ms']:.1f} ms, predicted {pred} → "
+                + ("off" if m["k"] == 0 else f"chain {m['k']}")
+            )
+        return (
+            f"batch policy {self.policy.words()} (α {' '.join(f'{a:.2f}' for a in self.alpha)}; on only where the "
+            f"predicted speedup is >= {1 + AUTO_MARGIN:.2f}x): " + "; ".join(parts)
+        )
+
+
+def batch_length(
+    alpha: list[float], draft_step_s: float, verify_s: dict[int, float], overhead_s: float, vanilla_step_s: float
+) -> tuple[int, dict[int, float]]:
+    """(chain length, predicted speedup by length) at one batch size: the best of `best_chain_length`'s rates over
+    vanilla's, or 0 (off) where even the best promises less than ``1 + AUTO_MARGIN``."""
+    _, rates = best_chain_length(alpha, draft_step_s, verify_s, overhead_s)
+    predicted = {k: r * vanilla_step_s for k, r in rates.items()}
+    best = max(predicted, key=predicted.get)
+    return (best if predicted[best] >= 1 + AUTO_MARGIN else 0), predicted
+
+
+def size_batch_policy(
+    target: TargetModel,
+    make: Callable[[int], Proposer],
+    prompts: list[list[int]],
+    alpha: list[float],
+    max_k: int,
+    batch_sizes: tuple[int, ...],
+    eos_ids: tuple[int, ...],
+    log: Callable[[str], None] = print,
+    baseline: TargetModel | None = None,
+) -> BatchSizing:
+    """The chain length for each batch size (0: off), from measurements at that batch size: the verify-cost curve
+    over ``rows`` rows (`step_costs`), vanilla's batched step, and the draft step and bookkeeping of a short pilot
+    (`BATCH_PILOT_TOKENS`) of the longest chain over the prompts cycled to fill the batch; rated with the per-position
+    acceptance ``alpha`` (a chain sizing's, pilot shrunk toward the checkpoint's held-out acceptance). A length is
+    switched on only where its predicted speedup is at least ``1 + AUTO_MARGIN``. ``baseline``: vanilla's target in
+    a faster dtype (batch 1 only, as `size_chain`)."""
+    aux = make(1).signal is TargetSignal.AUX
+    by_batch, lengths = {}, {}
+    for b in sorted(set(batch_sizes)):
+        rows = [prompts[i % len(prompts)] for i in range(b)]
+        pilot = SamplingParams(max_new_tokens=BATCH_PILOT_TOKENS)
+        stats = generate_speculative(target, make(max_k), rows, pilot, eos_ids).stats
+        rounds = max(1, stats.rounds)
+        draft_step, overhead = stats.draft_s / rounds / max_k, stats.bookkeeping_s / rounds
+        reps = SIZING_REPS if b <= 4 else 3  # a batch-64 forward is ~10x a batch-1 one here
+        curve, vanilla = step_costs(target, prompts[0], tuple(range(1, max_k + 2)), reps, aux, rows=b)
+        if b == 1:
+            vanilla = _fastest_vanilla(vanilla, baseline, prompts[0])
+        lengths[b], predicted = batch_length(alpha, draft_step, curve, overhead, vanilla)
+        by_batch[b] = {
+            "verify_ms": {n: 1e3 * t for n, t in curve.items()},
+            "vanilla_ms": 1e3 * vanilla,
+            "draft_step_ms": 1e3 * draft_step,
+            "overhead_ms": 1e3 * overhead,
+            "predicted_speedup": predicted,
+            "k": lengths[b],
+        }
+    sizing = BatchSizing(BatchPolicy(lengths), list(alpha), by_batch)
+    for b, m in by_batch.items():
+        m["k"] = sizing.policy.lengths[b]  # after the policy's monotone cap
+    log(f"cost curve: {sizing.account()}")
+    return sizing
+
+
 @torch.inference_mode()
 def verify_costs(target: TargetModel, context: list[int], sizes: tuple[int, ...], reps: int, aux: bool) -> dict:
     """Seconds of ``verify_tree`` over a chain of n nodes after ``context`` (the fastest of ``reps``); the cache is
@@ -274,30 +365,49 @@ def _fastest_vanilla(served_step: float, baseline: TargetModel | None, context: 
 
 
 def step_costs(
-    target: TargetModel, context: list[int], sizes: tuple[int, ...], reps: int, aux: bool, vanilla: bool = True
+    target: TargetModel,
+    context: list[int],
+    sizes: tuple[int, ...],
+    reps: int,
+    aux: bool,
+    vanilla: bool = True,
+    rows: int = 1,
 ) -> tuple[dict[int, float], float | None]:
-    """(`verify_costs`, the vanilla loop's step: a cached one-token forward without a tree mask), timed in turn in
-    one loop, so the two see the same machine. The speculative verify path costs more than vanilla's plain forward
-    even at one token (the tree mask, the KV bookkeeping): on SmolLM2 here 107 against 97 ms. A prediction that took
-    t_verify(1) for vanilla's step would be ~10 % optimistic."""
-    state = DecodeState([context], SamplingParams(max_new_tokens=1), (), target.device)
+    """(`verify_costs`, the vanilla loop's step), timed in turn in one loop, so the two see the same machine.
+    ``rows``: the batch, every row holding ``context`` (the cost of a forward depends on the shapes, not the
+    tokens). Vanilla's step at batch 1 is its loop's cached one-token forward without a tree mask; at a batch, the
+    batched loop's masked one-token forward (``infer.generate._vanilla_step``). The speculative verify path costs
+    more than vanilla's plain forward even at one token (the tree mask, the KV bookkeeping): on SmolLM2 here 107
+    against 97 ms. A prediction that took t_verify(1) for vanilla's step would be ~10 % optimistic."""
+    state = DecodeState([context] * rows, SamplingParams(max_new_tokens=1), (), target.device)
     prefill(target, state, capture_aux=aux)
     S = state.kv_valid.shape[1]
-    trees = {n: chain(torch.randint(0, target.vocab_size, (1, n), device=target.device)) for n in sizes}
+    trees = {n: chain(torch.randint(0, target.vocab_size, (rows, n), device=target.device)) for n in sizes}
 
-    def run(n: int) -> None:
-        verify_tree(target, state, trees[n], capture_aux=aux)
+    def crop() -> None:
         for layer in state.cache.layers:
             layer.keys, layer.values = layer.keys[:, :, :S], layer.values[:, :, :S]
 
+    def run(n: int) -> None:
+        verify_tree(target, state, trees[n], capture_aux=aux)
+        crop()
+
     plain = DynamicCache()
-    x = torch.tensor([[context[-1]]], device=target.device)
-    if vanilla:
+    x = torch.tensor([[context[-1]]] * rows, device=target.device)
+    if vanilla and rows == 1:
         target.model(input_ids=torch.tensor([context[:-1]], device=target.device), cache=plain, use_cache=True)
+    allowed = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)[:, None, :]
+    mask = additive_mask(allowed, target.dtype)
 
     def step() -> None:
-        target.model(input_ids=x, cache=plain, use_cache=True)
-        plain.crop(-1)  # transformers 5: a negative count removes that many tokens
+        if rows == 1:
+            target.model(input_ids=x, cache=plain, use_cache=True)
+            plain.crop(-1)  # transformers 5: a negative count removes that many tokens
+            return
+        target.model(
+            input_ids=x, attention_mask=mask, position_ids=state.lengths[:, None], cache=state.cache, use_cache=True
+        )
+        crop()
 
     for n in sizes:  # warm-up
         run(n)

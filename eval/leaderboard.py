@@ -51,6 +51,12 @@ class LeaderboardConfig:
     """Prompts per built-in category, and the first N rows of each file (None: files whole, categories 16)."""
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     batch_sizes: list[int] = field(default_factory=lambda: [1])
+    batch_sweep: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    """Batch sizes of the batch-aware sweep, one more cell ([] leaves it out): at T = 0 on ``sweep_category``,
+    vanilla, prompt lookup, the first drafter's sized chain and its batch-aware policy (report.batch_auto) at every
+    size, the prompts cycled to fill a batch. Trees, the hybrid, the draft model and HF's peers stay out of it: at
+    batch 64 each of them costs minutes on a CPU, and the sweep's question is when speculation stops paying."""
+    sweep_category: str = "chat"
     max_new_tokens: int = 128
     draft_model: str | None = "cut"
     """The small draft-model baseline (a distilled folder, or "cut": the target's first layers, labelled)."""
@@ -72,10 +78,14 @@ class Cell:
     """A prompt file's path, or ``builtin:<category>``."""
     temperature: float
     batch_size: int
+    sweep: tuple[int, ...] = ()
+    """The batch-aware sweep's batch sizes (``batch_size`` is then the largest); () for an ordinary cell."""
 
     @property
     def key(self) -> str:
         name = Path(self.source).stem if not self.source.startswith("builtin:") else self.source.split(":", 1)[1]
+        if self.sweep:
+            return f"{name}__T{self.temperature:g}__sweep_bs{'-'.join(map(str, self.sweep))}"
         return f"{name}__T{self.temperature:g}__bs{self.batch_size}"
 
 
@@ -83,7 +93,11 @@ def cells_of(cfg: LeaderboardConfig) -> list[Cell]:
     sources = [*cfg.prompts_paths, *(f"builtin:{c}" for c in cfg.categories)]
     if not sources:
         raise ValueError("the leaderboard needs prompts_paths or categories")
-    return [Cell(s, t, b) for s in sources for t in cfg.temperatures for b in cfg.batch_sizes]
+    cells = [Cell(s, t, b) for s in sources for t in cfg.temperatures for b in cfg.batch_sizes]
+    if cfg.batch_sweep:
+        sweep = tuple(sorted(set(cfg.batch_sweep)))
+        cells.append(Cell(f"builtin:{cfg.sweep_category}", 0.0, sweep[-1], sweep))
+    return cells
 
 
 def report_config(cfg: LeaderboardConfig, cell: Cell):
@@ -91,6 +105,20 @@ def report_config(cfg: LeaderboardConfig, cell: Cell):
     from eval.report import ReportConfig
 
     by_file = not cell.source.startswith("builtin:")
+    if cell.sweep:
+        return ReportConfig(
+            categories=[cell.source.split(":", 1)[1]],
+            prompts=cfg.prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            temperatures=[0.0],
+            batch_sizes=list(cell.sweep),
+            tree_total_tokens=0,
+            draft_model=None,
+            hybrid_lookup=0,
+            chain_neighbours=False,
+            batch_auto=True,
+            fp32_certificate=cfg.fp32_certificate,
+        )
     return ReportConfig(
         prompts_path=cell.source if by_file else None,
         categories=["chat"] if by_file else [cell.source.split(":", 1)[1]],
@@ -127,6 +155,7 @@ def run_cells(cfg: LeaderboardConfig, run_cell, log=print) -> list[dict]:
             "source": cell.source,
             "temperature": cell.temperature,
             "batch_size": cell.batch_size,
+            "sweep": list(cell.sweep),
         }
         if (folder / "report.json").exists() and stamp.exists() and json.loads(stamp.read_text()) == fingerprint:
             statuses.append(entry | {"status": "reused"})
@@ -162,7 +191,7 @@ def collect(cfg: LeaderboardConfig, statuses: list[dict]) -> dict:
             if isinstance(head.get("machine"), dict):  # the report's machine dict: the plots and tables say its words
                 head["machine"] = head["machine"].get("words", str(head["machine"]))
             for r in report["results"]:
-                rows.append(r | {"cell": st["cell"], "source": st["source"]})
+                rows.append(r | {"cell": st["cell"], "source": st["source"], "sweep": bool(st.get("sweep"))})
     return {**head, "created": time.strftime("%Y-%m-%d %H:%M"), "config": asdict(cfg), "cells": statuses,
             "results": rows}  # fmt: skip
 
@@ -211,7 +240,7 @@ def overall(rows: list[dict]) -> dict:
 
 def tables(board: dict) -> list[tuple[float, int, list[str], list[dict]]]:
     """Per (T, batch size): the categories and one entry per method with its per-category speedups and overall."""
-    rows = _category_rows(board["results"])
+    rows = _category_rows([r for r in board["results"] if not r.get("sweep")])
     out = []
     for temp in sorted({r["temperature"] for r in rows}):
         for bs in sorted({r["batch_size"] for r in rows}):
@@ -228,6 +257,40 @@ def tables(board: dict) -> list[tuple[float, int, list[str], list[dict]]]:
             ranked = sorted(entries.values(), key=lambda e: -(e["speedup"] or 0))
             out.append((temp, bs, cats, ranked))
     return out
+
+
+def sweep_table(board: dict) -> tuple[list[int], list[dict]]:
+    """The batch-aware sweep: (batch sizes, one entry per method with its speedup by batch size), best at batch 1
+    first; ([], []) when the run has no sweep."""
+    rows = [r for r in board["results"] if r.get("sweep") and r["category"] == "all"]
+    sizes = sorted({r["batch_size"] for r in rows})
+    entries: dict[str, dict] = {}
+    for r in rows:
+        e = entries.setdefault(method_of(r), {"method": method_of(r), "by_batch": {}, "evidence": set()})
+        e["by_batch"][r["batch_size"]] = r["speedup"]
+        e["evidence"].add(evidence(r))
+    for e in entries.values():
+        e["evidence"] = "; ".join(sorted(e["evidence"]))
+    return sizes, sorted(entries.values(), key=lambda e: -e["by_batch"].get(sizes[0], 0) if sizes else 0)
+
+
+def _sweep_lines(board: dict) -> list[str]:
+    sizes, entries = sweep_table(board)
+    if not sizes:
+        return []
+    sweep = next(c for c in board["cells"] if c.get("sweep"))
+    lines = [
+        f"Batch-aware speculation: T = 0, `{sweep['source']}` prompts cycled to fill each batch; speedup over vanilla "
+        "at the same batch size. The auto row's chain length per batch size was chosen from the cost curve measured "
+        "at that batch size (off where it promised less than the margin; `checks.batch_policy` of the cell's report).",
+        "",
+        "| method | " + " | ".join(f"bs {b}" for b in sizes) + " | lossless evidence |",
+        "|---" * (len(sizes) + 2) + "|",
+    ]
+    for e in entries:
+        per = " | ".join(f"{e['by_batch'][b]:.2f}x" if b in e["by_batch"] else "—" for b in sizes)
+        lines.append(f"| {e['method']} | {per} | {e['evidence']} |")
+    return lines
 
 
 def write_markdown(board: dict, path: Path) -> None:
@@ -247,6 +310,8 @@ def write_markdown(board: dict, path: Path) -> None:
             per = " | ".join(f"{e['by_category'][c]:.2f}x" if c in e["by_category"] else "—" for c in cats)
             tau = f"{e['tau']:.2f}" if e["tau"] else "—"
             lines.append(f"| {e['method']} | {per} | {tau} | {e['speedup']:.2f}x | {e['evidence']} |")
+    sweep = _sweep_lines(board)
+    lines += ["", "## Speedup against batch size", "", *sweep] if sweep else []
     bad = [c for c in board["cells"] if c["status"] in ("failed", "not run")]
     if bad:
         lines += ["", "## Cells not measured", ""]
@@ -271,6 +336,7 @@ def readme_table(board: dict) -> str:
             tau = f"{e['tau']:.2f}" if e["tau"] else "—"
             lines.append(f"| {e['method']} | {e['speedup']:.2f}x | {tau} | {e['evidence']} |")
         lines.append("")
+    lines += _sweep_lines(board)
     return "\n".join(lines).strip()
 
 
@@ -307,7 +373,7 @@ def write_plots(board: dict, out: Path) -> list[Path]:
 
     title = f"{Path(str(board.get('target'))).name} on {board.get('machine')}"
     plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.get_cmap("tab20").colors)
-    rows = _category_rows(board["results"])
+    rows = _category_rows([r for r in board["results"] if not r.get("sweep")])
     paths = []
     first_t = min((r["temperature"] for r in rows), default=0.0)
     base = [r for r in rows if r["batch_size"] == 1 and r["temperature"] == first_t]
@@ -329,7 +395,7 @@ def write_plots(board: dict, out: Path) -> list[Path]:
 
     # acceptance per draft position (every category pooled by the cell's "all" row)
     fig, ax = plt.subplots(figsize=(11, 5))
-    pooled = [r for r in board["results"] if r["category"] == "all" and r["batch_size"] == 1
+    pooled = [r for r in board["results"] if r["category"] == "all" and r["batch_size"] == 1 and not r.get("sweep")
               and r["temperature"] == first_t and r.get("alpha")]  # fmt: skip
     for m in sorted({method_of(r) for r in pooled}):
         alphas = [r["alpha"] for r in pooled if method_of(r) == m]
@@ -342,7 +408,8 @@ def write_plots(board: dict, out: Path) -> list[Path]:
 
     # speedup against batch size (overall per method)
     fig, ax = plt.subplots(figsize=(11, 5))
-    at_t = [r for r in rows if r["temperature"] == first_t]
+    swept = [r for r in board["results"] if r.get("sweep") and r["category"] == "all"]
+    at_t = swept or [r for r in rows if r["temperature"] == first_t]
     for m in sorted({method_of(r) for r in at_t}):
         sizes = sorted({r["batch_size"] for r in at_t if method_of(r) == m})
         ys = [overall([r for r in at_t if method_of(r) == m and r["batch_size"] == b])["speedup"] for b in sizes]

@@ -208,13 +208,17 @@ def estimate_minutes(step_s: float, prompts: int, calls_per_prompt: int, max_new
 
 
 def batches_of(prompts: list[MeasuredPrompt], bs: int) -> list[list[MeasuredPrompt]]:
-    """Batches of ``bs`` prompts that never mix categories, so each category's rows come from its own prompts."""
-    cats = sorted({p.category for p in prompts})
-    return [
-        [p for p in prompts if p.category == cat][i : i + bs]
-        for cat in cats
-        for i in range(0, sum(p.category == cat for p in prompts), bs)
-    ]
+    """Batches of ``bs`` prompts that never mix categories, so each category's rows come from its own prompts. A
+    category with fewer prompts than ``bs`` is cycled to fill one batch (its prompts repeat), so that a row labelled
+    batch 64 was decoded 64 rows at a time."""
+    out = []
+    for cat in sorted({p.category for p in prompts}):
+        mine = [p for p in prompts if p.category == cat]
+        if len(mine) < bs:
+            out.append([mine[i % len(mine)] for i in range(bs)])
+        else:
+            out += [mine[i : i + bs] for i in range(0, len(mine), bs)]
+    return out
 
 
 def _greedy_params(temp: float, max_new_tokens: int, batch_index: int) -> SamplingParams:

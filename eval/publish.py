@@ -49,8 +49,9 @@ def _results(
     given by path, or the checkpoint's own report."""
     if leaderboard is not None:  # this drafter's rows (and its hybrid) beside the baselines, not other drafters'
         board = json.loads(leaderboard.read_text())
-        mine = [r for r in board["results"] if r["proposer"] in (method, f"{method} + prompt lookup")
-                or r["proposer"] == "prompt lookup" or r["proposer"].startswith(("draft model", "HF "))]  # fmt: skip
+        # the batch sweep's rows stay on the leaderboard: the card's table is the batch-1 comparison
+        mine = [r for r in board["results"] if not r.get("sweep") and (r["proposer"] in (method, f"{method} + prompt lookup")
+                or r["proposer"] == "prompt lookup" or r["proposer"].startswith(("draft model", "HF ")))]  # fmt: skip
         return mine, {k: board.get(k) for k in ("target", "machine", "created")} | {
             "prompt_set": f"leaderboard {leaderboard.name} ({', '.join(sorted({r['source'] for r in mine}))})"
         }

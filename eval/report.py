@@ -31,6 +31,7 @@ from eval.cost_curve import (
     ChainSizing,
     TreeSizing,
     heldout_acceptance,
+    size_batch_policy,
     size_chain,
     size_tree,
     tree_name,
@@ -47,6 +48,7 @@ from eval.measure import (
     write_report,
 )
 from eval.prompts import CATEGORIES, builtin_prompts, encode_turns, load_prompt_file
+from infer.batch_policy import BatchAwareProposer
 from infer.family import ChainSizer, family_of, load_drafter
 from infer.generate import generate_vanilla
 from infer.hybrid import HybridProposer
@@ -129,7 +131,13 @@ class ReportConfig:
     compare: list[str] = field(default_factory=list)
     """Other drafter checkpoints (any family) measured in the same run, e.g. the shipped EAGLE-3 beside Medusa."""
     batch_sizes: list[int] = field(default_factory=lambda: [1])
-    """Batch sizes to measure."""
+    """Batch sizes to measure (a category with fewer prompts than a batch size is cycled to fill one batch)."""
+    batch_auto: bool = True
+    """Where batch_sizes goes past 1: also the batch-aware row (infer/batch_policy.py), the first drafter's sized
+    chain with its length chosen per batch size from the cost curve measured at that batch size, switched off where
+    it does not promise ``eval.cost_curve.AUTO_MARGIN`` over vanilla (needs chain_from_cost_curve and chain_k)."""
+    chain_neighbours: bool = True
+    """Measure each sized chain's neighbours (k - 1, k + 1) too, predicted beside measured speedup."""
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     """Sampling temperatures to measure (0 = greedy, with the token-identity check)."""
     drafter_dir: str | None = None
@@ -315,7 +323,25 @@ def run_report(
 
     names = [family_of(d).method for d in drafters] + ["draft model"]
     measured = candidates(drafters, cfg, [sizer(f, n) for f, n in zip(folders, names)], target, log)
-    neighbours = _chain_neighbours(measured, chains)
+    neighbours = _chain_neighbours(measured, chains) if cfg.chain_neighbours else []
+    batch_sizing = None
+    if cfg.batch_auto and any(b > 1 for b in cfg.batch_sizes) and chains:
+        name, make, sized = chains[0]  # the first drafter's chain
+        owner = _owner(measured, name, sized.k)
+        if owner is not None:
+            sizes = tuple(sorted({1, *cfg.batch_sizes}))
+            batch_sizing = size_batch_policy(
+                target, make, ids, sized.alpha, max(sized.rates), sizes, eos, log, vanilla_target
+            )
+            policy = batch_sizing.policy
+            neighbours.append(
+                Candidate(
+                    owner.proposer,
+                    f"auto ({policy.words()})",
+                    lambda make=make, policy=policy: BatchAwareProposer(make, policy),
+                    owner.spec,
+                )
+            )
     assisted = {}
     if cfg.hf_assisted:
         assisted["HF prompt lookup (10)"] = dict(prompt_lookup_num_tokens=10, max_matching_ngram_size=2)
@@ -349,6 +375,12 @@ def run_report(
             "summary": f"{tree_sizing.account()}; verify ms "
             + " ".join(f"{n}:{1e3 * t:.0f}" for n, t in tree_sizing.verify_s.items())
             + ".",
+        }
+    if batch_sizing is not None:
+        checks["batch_policy"] = {
+            "policy": {str(b): k for b, k in batch_sizing.policy.lengths.items()},
+            "by_batch": {str(b): m for b, m in batch_sizing.by_batch.items()},
+            "summary": batch_sizing.account() + ".",
         }
     first = next((r for r in rows if r["temperature"] == 0.0 and r["batch_size"] == 1 and r["category"] == "all"), None)
     if first is not None:

@@ -455,6 +455,8 @@ def generate_speculative(
     state = DecodeState(prompts, params, eos_ids, target.device)
     gen = _seeded_generator(params, target.device)
     proposer.begin([list(c) for c in state.contexts])
+    if not proposer.drafts:
+        return generate_vanilla(target, prompts, params, eos_ids)
     signal = proposer.signal
     aux = signal is TargetSignal.AUX  # the other signals come with every forward (final-norm hook)
     out = prefill(target, state, capture_aux=aux)

@@ -46,6 +46,9 @@ class Proposer(Protocol):
     """Subclass it (the hooks below default to doing nothing) or implement the same attributes."""
 
     signal: TargetSignal = TargetSignal.NONE
+    drafts: bool = True
+    """False (decided in ``begin``) when this call gets no drafts at all: the runtime then decodes it with the plain
+    vanilla loop, which is faster than verifying a root-only tree (the batch-aware policy at large batches)."""
 
     def begin(self, contexts: list[list[int]]) -> None:
         """A new generate call starts with these rows (prompt tokens; the last one is the root)."""

@@ -40,7 +40,10 @@ def test_cells_cover_sources_temperatures_and_batch_sizes():
         prompts_paths=["x/q.jsonl"], categories=["chat"], temperatures=[0.0, 1.0], batch_sizes=[1, 4]
     )
     cells = cells_of(cfg)
-    assert len(cells) == 8 and cells[0] == Cell("x/q.jsonl", 0.0, 1) and cells[-1].key == "chat__T1__bs4"
+    assert len(cells) == 9 and cells[0] == Cell("x/q.jsonl", 0.0, 1) and cells[-2].key == "chat__T1__bs4"
+    # the batch-aware sweep: one more cell at T = 0 over every sweep batch size
+    assert cells[-1] == Cell("builtin:chat", 0.0, 64, (1, 4, 16, 64)) and cells[-1].key == "chat__T0__sweep_bs1-4-16-64"
+    assert len(cells_of(LeaderboardConfig(categories=["chat"], temperatures=[0.0], batch_sweep=[]))) == 1
     with pytest.raises(ValueError):
         cells_of(LeaderboardConfig(categories=[]))
 
@@ -56,6 +59,7 @@ def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, mo
         "max_new_tokens=6",
         "draft_model=cut",
         "fp32_certificate=false",
+        "batch_sweep=[1,2]",
         f"out={out}",
     ]
     calls = []
@@ -73,12 +77,23 @@ def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, mo
         "questions__T1__bs1": "done",
         "missing__T0__bs1": "failed",
         "missing__T1__bs1": "failed",
+        "chat__T0__sweep_bs1-2": "done",
     }
     methods = {(r["proposer"], r["setting"]) for r in board["results"]}
     assert ("prompt lookup", "chain 10") in methods and ("HF prompt lookup (10)", "HF generate") in methods
     assert any(p == "eagle3 + prompt lookup" for p, _ in methods)  # the hybrid row
     assert any(p.startswith("draft model") for p, _ in methods)
-    assert {r["cell"] for r in board["results"]} == {"questions__T0__bs1", "questions__T1__bs1"}
+    assert {r["cell"] for r in board["results"]} == {
+        "questions__T0__bs1",
+        "questions__T1__bs1",
+        "chat__T0__sweep_bs1-2",
+    }
+    # the sweep: vanilla's peers at both batch sizes, the batch-aware row among them, nothing but chains
+    swept = [r for r in board["results"] if r["sweep"]]
+    assert {r["batch_size"] for r in swept} == {1, 2}
+    auto = [r for r in swept if r["setting"].startswith("auto (bs1:")]
+    assert {r["batch_size"] for r in auto} == {1, 2} and all(r["unexplained_divergences"] == 0 for r in auto)
+    assert not any("EAGLE-2" in r["setting"] or r["proposer"].startswith("draft model") for r in swept)
     greedy = [r for r in board["results"] if r["temperature"] == 0.0 and r.get("tau")]
     assert greedy and all(r["unexplained_divergences"] == 0 for r in greedy)  # bf16 near-ties may be explained
     assert all(r["per_call"] for r in greedy)
@@ -89,6 +104,8 @@ def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, mo
     # eval.measure.evidence_words, in the dtype the precision policy served the tiny target in
     assert re.search(r"\| (bf16|fp32) 1\.00", md) and "lossless rule (rejection sampling)" in md
     assert "`missing__T0__bs1`: failed" in md
+    assert "## Speedup against batch size" in md and "| method | bs 1 | bs 2 | lossless evidence |" in md
+    assert "## T = 0, batch size 2" not in md  # the sweep's rows have their own table, not the per-category ones
     with open(out / "leaderboard.csv") as f:
         assert len(list(csv.DictReader(f))) == len(board["results"])
     for png in ("speedup_by_category", "acceptance_by_position", "speedup_by_batch", "tau_by_prompt_length"):

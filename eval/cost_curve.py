@@ -33,7 +33,7 @@ from eval.measure import prepare_target, quiet_routing
 from eval.stdlib_corpus import heldout_prompts
 from infer.attention import additive_mask
 from infer.batch_policy import BatchPolicy
-from infer.generate import DecodeState, generate_speculative, prefill, verify_tree
+from infer.generate import DecodeState, generate_speculative, generate_vanilla, prefill, verify_tree
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
 from infer.timing import timed
@@ -276,15 +276,18 @@ class BatchSizing:
     policy: BatchPolicy
     alpha: list[float]
     by_batch: dict[int, dict]
-    """batch size → verify_ms (by tokens per row), vanilla_ms, draft_step_ms, overhead_ms, predicted_speedup (by
-    chain length) and the chosen length k."""
+    """batch size → verify_ms (by tokens per row), vanilla_ms and vanilla_dtype (the faster vanilla there),
+    draft_step_ms, overhead_ms, predicted_speedup (by chain length) and the chosen length k."""
+    baseline_faster: dict[int, bool]
+    """Whether the baseline dtype's vanilla was the faster at that batch size: a batch the policy leaves off is then
+    decoded there (`infer.batch_policy.BatchAwareProposer`'s ``vanilla_targets``)."""
 
     def account(self) -> str:
         parts = []
         for b, m in sorted(self.by_batch.items()):
             pred = " ".join(f"{k}:{x:.2f}" for k, x in m["predicted_speedup"].items())
             parts.append(
-                f"bs {b}: vanilla {m['vanilla_ms']:.0f} ms, verify {m['verify_ms'][2]:.0f}..{max(m['verify_ms'].values()):.0f}"
+                f"bs {b}: vanilla {m['vanilla_ms']:.0f} ms ({m['vanilla_dtype']}), verify {m['verify_ms'][2]:.0f}..{max(m['verify_ms'].values()):.0f}"
                 f" ms, draft step {m['draft_step_ms']:.1f} ms, predicted {pred} → "
                 + ("off" if m["k"] == 0 else f"chain {m['k']}")
             )
@@ -305,6 +308,13 @@ def batch_length(
     return (best if predicted[best] >= 1 + AUTO_MARGIN else 0), predicted
 
 
+def vanilla_loop_step(target: TargetModel, rows: list[list[int]], eos_ids: tuple[int, ...]) -> float:
+    """Seconds per step (forward, sampling, bookkeeping; prefill excluded) of the vanilla loop decoding ``rows``
+    together for `BATCH_PILOT_TOKENS` tokens (the rows that stop early leave the batch, as in the measurement)."""
+    stats = generate_vanilla(target, rows, SamplingParams(max_new_tokens=BATCH_PILOT_TOKENS), eos_ids).stats
+    return (stats.verify_s + stats.bookkeeping_s) / max(1, stats.rounds)
+
+
 def size_batch_policy(
     target: TargetModel,
     make: Callable[[int], Proposer],
@@ -317,13 +327,14 @@ def size_batch_policy(
     baseline: TargetModel | None = None,
 ) -> BatchSizing:
     """The chain length for each batch size (0: off), from measurements at that batch size: the verify-cost curve
-    over ``rows`` rows (`step_costs`), vanilla's batched step, and the draft step and bookkeeping of a short pilot
+    over ``rows`` rows (`step_costs`), vanilla's own loop on those rows (`vanilla_loop_step`), and the draft step and bookkeeping of a short pilot
     (`BATCH_PILOT_TOKENS`) of the longest chain over the prompts cycled to fill the batch; rated with the per-position
     acceptance ``alpha`` (a chain sizing's, pilot shrunk toward the checkpoint's held-out acceptance). A length is
     switched on only where its predicted speedup is at least ``1 + AUTO_MARGIN``. ``baseline``: vanilla's target in
-    a faster dtype (batch 1 only, as `size_chain`)."""
+    another dtype (`eval.measure.serving_targets`), timed at every batch size: the prediction is over the faster of
+    the two vanilla steps there, as the measured speedup is."""
     aux = make(1).signal is TargetSignal.AUX
-    by_batch, lengths = {}, {}
+    by_batch, lengths, baseline_faster = {}, {}, {}
     for b in sorted(set(batch_sizes)):
         rows = [prompts[i % len(prompts)] for i in range(b)]
         pilot = SamplingParams(max_new_tokens=BATCH_PILOT_TOKENS)
@@ -331,19 +342,24 @@ def size_batch_policy(
         rounds = max(1, stats.rounds)
         draft_step, overhead = stats.draft_s / rounds / max_k, stats.bookkeeping_s / rounds
         reps = SIZING_REPS if b <= 4 else 3  # a batch-64 forward is ~10x a batch-1 one here
-        curve, vanilla = step_costs(target, prompts[0], tuple(range(1, max_k + 2)), reps, aux, rows=b)
-        if b == 1:
-            vanilla = _fastest_vanilla(vanilla, baseline, prompts[0])
+        curve, _ = step_costs(target, prompts[0], tuple(range(1, max_k + 2)), reps, aux, vanilla=False, rows=b)
+        # vanilla's own loop on the same rows, in each dtype: what a call left off costs there. One forward timed on
+        # one replicated prompt picked bf16 at batch 4 here where the loop on the real rows ran faster in fp32
+        vanilla = vanilla_loop_step(target, rows, eos_ids)
+        other = vanilla_loop_step(baseline, rows, eos_ids) if baseline is not None else None
+        baseline_faster[b] = other is not None and other < vanilla
+        vanilla = min(vanilla, other) if other is not None else vanilla
         lengths[b], predicted = batch_length(alpha, draft_step, curve, overhead, vanilla)
         by_batch[b] = {
             "verify_ms": {n: 1e3 * t for n, t in curve.items()},
             "vanilla_ms": 1e3 * vanilla,
+            "vanilla_dtype": str((baseline if baseline_faster[b] else target).dtype).removeprefix("torch."),
             "draft_step_ms": 1e3 * draft_step,
             "overhead_ms": 1e3 * overhead,
             "predicted_speedup": predicted,
             "k": lengths[b],
         }
-    sizing = BatchSizing(BatchPolicy(lengths), list(alpha), by_batch)
+    sizing = BatchSizing(BatchPolicy(lengths), list(alpha), by_batch, baseline_faster)
     for b, m in by_batch.items():
         m["k"] = sizing.policy.lengths[b]  # after the policy's monotone cap
     log(f"cost curve: {sizing.account()}")
@@ -364,6 +380,7 @@ def _fastest_vanilla(served_step: float, baseline: TargetModel | None, context: 
     return min(served_step, vanilla_step_cost(baseline.model, context, SIZING_REPS))
 
 
+@torch.inference_mode()  # as decoding runs: with autograd on, the routed CPU layouts fall back to F.linear
 def step_costs(
     target: TargetModel,
     context: list[int],

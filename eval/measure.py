@@ -291,8 +291,15 @@ def measure(
         generate_vanilla(vanilla_target, [prompts[0].ids], SamplingParams(max_new_tokens=4))
     if include_prompt_lookup:
         candidates = [Candidate("prompt lookup", "chain 10", lambda: PromptLookupProposer(num_draft=10))] + candidates
-    for c in candidates:  # one-off costs (allocator, first kernels) outside the timed region
-        generate_speculative(target, c.make(), [prompts[0].ids], SamplingParams(max_new_tokens=4), eos_ids)
+    warm = SamplingParams(max_new_tokens=4)
+    for bs in batch_sizes:  # one-off costs (allocator, first kernels, first touch of a batch's buffers) untimed
+        ids = [p.ids for p in batches_of(prompts, bs)[0]] if bs > 1 else [prompts[0].ids]
+        if bs > 1:  # the first batch-64 call would otherwise pay for pages every later call reuses
+            generate_vanilla(target, ids, warm, eos_ids)
+            if vanilla_target is not None:
+                generate_vanilla(vanilla_target, ids, warm, eos_ids)
+        for c in candidates:
+            generate_speculative(target, c.make(), ids, warm, eos_ids)
     t = clock(target.device)
     generate_vanilla(target, [prompts[0].ids], SamplingParams(max_new_tokens=8))
     step_s = (clock(target.device) - t) / 8
@@ -310,6 +317,13 @@ def measure(
     )
     fp32 = fp32_pass(target, candidates, prompts, eos_ids, batch_sizes, max_new_tokens, log) if certify_fp32 else {}
     certifier = Certifier(target.model)
+    others: list[Certifier] = []
+
+    def certifier_other() -> Certifier:
+        if not others:
+            others.append(Certifier(vanilla_target.model))
+        return others[0]
+
     rows: list[dict] = []
     cats = sorted({p.category for p in prompts})
     for temp in temperatures:
@@ -338,8 +352,14 @@ def measure(
                         same, div = identity(certifier, ids, ref.tokens, [toks], where) if params.greedy else (0, [])
                         assisted[name].add(cat, len(toks), s, None, same, int(params.greedy), div)
                 for c in candidates:
-                    res = generate_speculative(target, c.make(), ids, params, eos_ids, spec=c.spec)
-                    same, div = identity(certifier, ids, ref.tokens, res.tokens, where) if params.greedy else (0, [])
+                    proposer = c.make()
+                    res = generate_speculative(target, proposer, ids, params, eos_ids, spec=c.spec)
+                    # a call the proposer left without drafts may have run vanilla's loop on the faster dtype's copy
+                    # (the batch-aware policy): it is judged against that copy's vanilla, in that dtype
+                    other_dtype = not proposer.drafts and vanilla_target is not None
+                    other_dtype = other_dtype and proposer.vanilla_target is vanilla_target
+                    judge, reference = (certifier_other(), other.tokens) if other_dtype else (certifier, ref.tokens)
+                    same, div = identity(judge, ids, reference, res.tokens, where) if params.greedy else (0, [])
                     compared = len(batch) if params.greedy else 0
                     prompt_tokens = sum(map(len, ids)) / len(ids)
                     tokens = sum(map(len, res.tokens))

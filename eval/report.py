@@ -334,11 +334,14 @@ def run_report(
                 target, make, ids, sized.alpha, max(sized.rates), sizes, eos, log, vanilla_target
             )
             policy = batch_sizing.policy
+            # a batch the policy leaves off decodes with the faster vanilla there (a bf16 copy at batch 1 on CPUs
+            # whose bf16 gemv is faster while fp32 verifies a tree for less)
+            off = {b: vanilla_target if f else None for b, f in batch_sizing.baseline_faster.items()}
             neighbours.append(
                 Candidate(
                     owner.proposer,
                     f"auto ({policy.words()})",
-                    lambda make=make, policy=policy: BatchAwareProposer(make, policy),
+                    lambda make=make, policy=policy, off=off: BatchAwareProposer(make, policy, off),
                     owner.spec,
                 )
             )

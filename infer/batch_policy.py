@@ -21,6 +21,14 @@ import torch
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
 from infer.tree import DraftTree
+from models.target import TargetModel
+
+
+def at_batch(table: dict, rows: int):
+    """``table``'s entry for a batch of ``rows``: that of the next measured batch size up, past the largest the
+    largest's."""
+    sizes = sorted(table)
+    return table[next((b for b in sizes if b >= rows), sizes[-1])]
 
 
 @dataclass(frozen=True)
@@ -41,8 +49,7 @@ class BatchPolicy:
         object.__setattr__(self, "lengths", monotone)
 
     def length_for(self, rows: int) -> int:
-        sizes = sorted(self.lengths)
-        return self.lengths[next((b for b in sizes if b >= rows), sizes[-1])]
+        return at_batch(self.lengths, rows)
 
     def words(self) -> str:
         return ", ".join(f"bs{b}:{'off' if k == 0 else f'chain {k}'}" for b, k in sorted(self.lengths.items()))
@@ -50,17 +57,28 @@ class BatchPolicy:
 
 class BatchAwareProposer(Proposer):
     """The chain ``make(k)`` with k = ``policy.length_for(batch rows)``, decided when a generate call begins; at
-    k = 0 it declares ``drafts = False`` and the runtime decodes that call with the vanilla loop."""
+    k = 0 it declares ``drafts = False`` and the runtime decodes that call with the vanilla loop, on the target
+    ``vanilla_targets`` names for that batch size (by the same next-size-up rule; e.g. a bf16 copy where bf16 decodes
+    one row faster than the fp32 target that verifies faster; None or missing: the served target)."""
 
-    def __init__(self, make: Callable[[int], Proposer], policy: BatchPolicy) -> None:
-        self.make, self.policy = make, policy
+    def __init__(
+        self,
+        make: Callable[[int], Proposer],
+        policy: BatchPolicy,
+        vanilla_targets: dict[int, TargetModel | None] | None = None,
+    ) -> None:
+        self.make, self.policy, self.vanilla_targets = make, policy, vanilla_targets or {}
         self.inner: Proposer | None = None
         self.drafts = True
         self.signal = TargetSignal.NONE
+        self.vanilla_target = None
 
     def begin(self, contexts: list[list[int]]) -> None:
         k = self.policy.length_for(len(contexts))
         self.drafts = k > 0
+        self.vanilla_target = (
+            None if self.drafts or not self.vanilla_targets else at_batch(self.vanilla_targets, len(contexts))
+        )
         self.inner = self.make(k) if self.drafts else None
         self.signal = self.inner.signal if self.inner is not None else TargetSignal.NONE
         if self.inner is not None:

@@ -456,7 +456,7 @@ def generate_speculative(
     gen = _seeded_generator(params, target.device)
     proposer.begin([list(c) for c in state.contexts])
     if not proposer.drafts:
-        return generate_vanilla(target, prompts, params, eos_ids)
+        return generate_vanilla(proposer.vanilla_target or target, prompts, params, eos_ids)
     signal = proposer.signal
     aux = signal is TargetSignal.AUX  # the other signals come with every forward (final-norm hook)
     out = prefill(target, state, capture_aux=aux)

@@ -16,7 +16,7 @@ import torch
 
 from infer.sampling import SamplingParams
 from infer.tree import DraftTree
-from models.target import TargetOutput
+from models.target import TargetModel, TargetOutput
 
 
 class TargetSignal(StrEnum):
@@ -49,6 +49,9 @@ class Proposer(Protocol):
     drafts: bool = True
     """False (decided in ``begin``) when this call gets no drafts at all: the runtime then decodes it with the plain
     vanilla loop, which is faster than verifying a root-only tree (the batch-aware policy at large batches)."""
+    vanilla_target: TargetModel | None = None
+    """Where ``drafts`` is False: the target that vanilla loop runs on (a copy in the dtype vanilla is fastest in);
+    None: the served one."""
 
     def begin(self, contexts: list[list[int]]) -> None:
         """A new generate call starts with these rows (prompt tokens; the last one is the root)."""

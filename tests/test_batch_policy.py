@@ -2,6 +2,7 @@
 per batch size, off where the cost curve says it cannot pay, applied per generate call without changing outputs."""
 
 import pytest
+import torch
 
 from eval.cost_curve import AUTO_MARGIN, batch_length, size_batch_policy
 from infer.batch_policy import BatchAwareProposer, BatchPolicy
@@ -64,6 +65,8 @@ def test_sampled_calls_under_the_policy_keep_vanilla_s_seeded_draws_when_off(tin
 
 
 def test_size_batch_policy_measures_every_batch_size_and_records_its_costs(tiny_target, tiny_draft):
+    from eval.measure import dtype_copy
+
     logs = []
     sizing = size_batch_policy(
         tiny_target,
@@ -74,7 +77,9 @@ def test_size_batch_policy_measures_every_batch_size_and_records_its_costs(tiny_
         batch_sizes=(1, 4),
         eos_ids=(),
         log=logs.append,
+        baseline=dtype_copy(tiny_target, torch.bfloat16, lambda m: None),  # vanilla in another dtype, timed too
     )
+    assert set(sizing.baseline_faster) == {1, 4}
     assert set(sizing.by_batch) == {1, 4} and set(sizing.policy.lengths) == {1, 4}
     cap = None
     for b in (1, 4):
@@ -84,6 +89,7 @@ def test_size_batch_policy_measures_every_batch_size_and_records_its_costs(tiny_
         own = max(pred, key=pred.get) if max(pred.values()) >= 1 + AUTO_MARGIN else 0
         cap = own if cap is None else min(cap, own)
         assert set(pred) == {1, 2, 3} and m["k"] == sizing.policy.lengths[b] == cap
+        assert m["vanilla_dtype"] == ("bfloat16" if sizing.baseline_faster[b] else "float32")
     assert "batch policy" in logs[0] and "bs 4:" in logs[0]
 
 
@@ -94,3 +100,40 @@ def test_a_category_smaller_than_the_batch_is_cycled_to_fill_it():
     batches = batches_of(prompts, 4)
     assert [[p.ids[0] for p in b] for b in batches] == [[0, 1, 2, 0], [9, 9, 9, 9]]
     assert [[p.ids[0] for p in b] for b in batches_of(prompts, 2)] == [[0, 1], [2], [9, 9]]
+
+
+def test_a_call_left_off_decodes_on_the_faster_vanilla_copy_the_policy_names(tiny_target):
+    from eval.measure import dtype_copy
+
+    bf16 = dtype_copy(tiny_target, torch.bfloat16, lambda m: None)
+    policy = BatchPolicy({1: 2, 4: 0})
+    make = lambda k: PromptLookupProposer(num_draft=k)  # noqa: E731
+    proposer = BatchAwareProposer(make, policy, {1: None, 4: bf16})
+    res = generate_speculative(tiny_target, proposer, PROMPTS[:4], GREEDY)
+    assert not proposer.drafts and proposer.vanilla_target is bf16
+    assert res.tokens == generate_vanilla(bf16, PROMPTS[:4], GREEDY).tokens
+    # at batch 1 the chain runs on the served target: greedy identical to its vanilla
+    proposer = BatchAwareProposer(make, policy, {1: None, 4: bf16})
+    res = generate_speculative(tiny_target, proposer, PROMPTS[:1], GREEDY)
+    assert proposer.drafts and proposer.vanilla_target is None
+    assert res.tokens == generate_vanilla(tiny_target, PROMPTS[:1], GREEDY).tokens
+
+
+def test_the_report_judges_a_call_on_the_faster_copy_against_that_copy_s_vanilla(tiny_target):
+    from eval.measure import Candidate, MeasuredPrompt, measure
+    from models.target import TargetModel
+    from tests.conftest import tiny_llama
+
+    # a stand-in for "the target in the dtype vanilla is fastest in" whose greedy answers differ from the served
+    # target's (a tiny bf16 copy answers the same): judged against the served vanilla, the row would diverge
+    other = TargetModel(tiny_llama(seed=1))
+    prompts = [MeasuredPrompt(p, "all") for p in PROMPTS[:2]]
+    assert (
+        generate_vanilla(other, PROMPTS[:2], GREEDY).tokens != generate_vanilla(tiny_target, PROMPTS[:2], GREEDY).tokens
+    )
+    make = lambda k: PromptLookupProposer(num_draft=k)  # noqa: E731
+    auto = Candidate("auto", "off", lambda: BatchAwareProposer(make, BatchPolicy({1: 0}), {1: other}))
+    rows = measure(tiny_target, [auto], prompts, (), max_new_tokens=GREEDY.max_new_tokens,
+                   include_prompt_lookup=False, fp32_certificate=False, vanilla_target=other, log=lambda m: None)  # fmt: skip
+    row = next(r for r in rows if r["proposer"] == "auto")
+    assert row["greedy_identical"] == 1.0 and row["unexplained_divergences"] == 0 and row["tau"] == 1.0

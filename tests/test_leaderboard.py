@@ -136,3 +136,18 @@ def test_the_readme_block_is_generated_from_the_leaderboard_json(tmp_path):
     readme.write_text("no block")
     with pytest.raises(ValueError):
         update_readme(board, readme)
+
+
+def test_the_readme_table_is_the_shipped_leaderboard_s():
+    """The README's results block is `readme_table` of the committed docs/leaderboard/leaderboard.json, so a table
+    edited by hand, or a leaderboard rerun without regenerating the README, fails here."""
+    from pathlib import Path
+
+    from eval.leaderboard import README_BEGIN, README_END, readme_table
+
+    root = Path(__file__).resolve().parents[1]
+    board = json.loads((root / "docs" / "leaderboard" / "leaderboard.json").read_text())
+    text = (root / "README.md").read_text()
+    block = text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
+    assert block == readme_table(board)
+    assert board["results"] and all(c["status"] in ("done", "reused") for c in board["cells"])

@@ -284,9 +284,29 @@ def test_medusa1_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tm
 
 
 def test_lambda0_schedules_start_after_the_heads_warm_up():
-    from train.medusa import JointConfig
+    # one config for both families, each with its paper's defaults: Medusa-2's are a subclass's field defaults, so
+    # they hold also where `key=value` overrides build the section from its type
+    from pathlib import Path
 
-    const = JointConfig(lambda0=0.2, heads_warmup_steps=3)
+    from models.config import load_config
+    from train.joint import JointConfig
+    from train.medusa import MedusaRecipeConfig
+    from train.mtp import MTPRecipeConfig
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m"
+    medusa = load_config(
+        MedusaRecipeConfig, recipes / "medusa1.yaml", ["target.mode=joint", "train.features=online"]
+    ).joint
+    mtp = load_config(MTPRecipeConfig, recipes / "mtp.yaml", ["joint.lm_loss=kl"]).joint
+    assert isinstance(medusa, JointConfig) and type(mtp) is JointConfig
+    assert (medusa.lambda0, medusa.drafter_lr_multiplier, mtp.lambda0, mtp.drafter_lr_multiplier) == (
+        0.2,
+        4.0,
+        1.0,
+        1.0,
+    )
+
+    const = JointConfig(lambda0=0.2, drafter_warmup_steps=3)
     assert [const.lambda0_at(s) for s in (0, 2, 3, 10)] == [0.0, 0.0, 0.2, 0.2]
     linear = JointConfig(lambda0=0.2, lambda0_schedule="linear", lambda0_warmup_steps=4)
     assert [round(linear.lambda0_at(s), 3) for s in (0, 1, 3, 9)] == [0.05, 0.1, 0.2, 0.2]
@@ -302,7 +322,7 @@ def test_medusa2_trains_the_target_with_the_heads_and_the_checkpoint_loads_as_on
     from models.loader import load_target
     from models.target import TargetConfig
 
-    joint = ["target.mode=joint", "train.features=online", "joint.heads_warmup_steps=2", "joint.lm_loss=kl"]
+    joint = ["target.mode=joint", "train.features=online", "joint.drafter_warmup_steps=2", "joint.lm_loss=kl"]
     out = tmp_path / "lora"
     recipe.main(
         medusa_args(tiny_recipe, out, *joint, "target.lora_rank=4", "train.max_steps=4", "report.temperatures=[0.0]")
@@ -344,7 +364,7 @@ def test_medusa2_on_two_cpu_ranks_through_accelerate_launch(tiny_recipe, tmp_pat
     """Joint training under DDP (Medusa-1 under every engine: tests/test_engines.py)."""
     out = tmp_path / "medusa2"
     args = medusa_args(tiny_recipe, out, "train.max_steps=2", "report.enabled=false", "train.export=false")
-    args += ["target.mode=joint", "target.lora_rank=4", "train.features=online", "joint.heads_warmup_steps=1"]
+    args += ["target.mode=joint", "target.lora_rank=4", "train.features=online", "joint.drafter_warmup_steps=1"]
     run_to_end("medusa.py", args, "ddp")
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     sharding = next(r["sharding"] for r in log if "sharding" in r)

@@ -38,9 +38,10 @@ def test_loss_weights_split_one_lambda_over_depths_or_take_a_list_and_switch_at_
 @pytest.mark.parametrize("signal", INPUT_SIGNALS)
 def test_each_input_signal_trains_a_step_on_the_target_signal_it_names(tiny_target, signal):
     """Depth 1 reads the target signal mtp.input_signal names, in the frozen path (run_modules) and the joint one
-    (JointMTP) alike, and one optimizer step on it moves the modules."""
+    (train.joint.JointModel with the recipe's modules_on) alike, and one optimizer step on it moves the modules."""
     import train.mtp as recipe
     from train.features import target_forward
+    from train.joint import JointModel
     from train.losses import position_losses
 
     torch.manual_seed(0)
@@ -51,7 +52,9 @@ def test_each_input_signal_trains_a_step_on_the_target_signal_it_names(tiny_targ
     positions = [p for p, _ in targets]
     with torch.no_grad():
         out = target_forward(tiny_target, batch, logits=False)
-        joint = recipe.JointMTP(tiny_target, drafter)(batch, positions, positions[0], train_target=False)[1]
+        joint = JointModel(tiny_target, drafter, recipe.modules_on)(batch, positions, positions[0], train_target=False)[
+            1
+        ]
     hidden = input_signal(drafter).of(out)
     assert hidden is (out.last_hidden if signal == "last_hidden" else out.pre_norm_last)
     logits = recipe.run_modules(drafter, hidden, batch, positions)
@@ -162,7 +165,7 @@ def test_joint_lora_trains_the_target_with_the_modules_and_reports_the_quality_g
     import train.mtp as recipe
 
     out = tmp_path / "lora"
-    joint = ["target.mode=joint", "target.lora_rank=4", "joint.modules_warmup_steps=2", "joint.lm_loss=kl"]
+    joint = ["target.mode=joint", "target.lora_rank=4", "joint.drafter_warmup_steps=2", "joint.lm_loss=kl"]
     one = ["mtp.num_modules=1", "report.chain_k=2"]
     recipe.main(mtp_args(tiny_recipe, out, *joint, *one, "train.max_steps=4"))
     printed = capsys.readouterr().out
@@ -195,7 +198,7 @@ def test_joint_mode_on_two_cpu_ranks_through_accelerate_launch(tiny_recipe, tmp_
     """Joint training under DDP (the frozen mode under every engine: tests/test_engines.py)."""
     out = tmp_path / "joint"
     args = mtp_args(tiny_recipe, out, "train.max_steps=2", "report.enabled=false", "train.export=false")
-    args += ["target.mode=joint", "target.lora_rank=4", "joint.modules_warmup_steps=1"]
+    args += ["target.mode=joint", "target.lora_rank=4", "joint.drafter_warmup_steps=1"]
     run_to_end("mtp.py", args, "ddp")
     sharding = next(r["sharding"] for r in read_log(out) if "sharding" in r)
     assert sharding["world"] == 2 and sharding["distinct_over_ranks"] == sharding["total_over_ranks"]

@@ -1,5 +1,7 @@
-"""A target that trains with its drafter (Medusa-2, MTP joint mode): the unchanged original it is compared with, the
-LM loss that keeps it close to that original, the held-out quality guard, and saving its changes beside the drafter.
+"""A target that trains with its drafter (Medusa-2, MTP joint mode): one config (`JointConfig`), one module of target
+and drafter (`JointModel`), the unchanged original it is compared with, the LM loss that keeps it close to that
+original, the held-out quality guard, and saving its changes beside the drafter. The loop that trains it is
+`train.position_loop.train_positions`, shared by both families.
 
 With LoRA the original costs nothing: the adapter is switched off. Full fine-tuning keeps a frozen copy (one more
 target in memory; `drafters estimate` counts it).
@@ -8,7 +10,9 @@ target in memory; `drafters estimate` counts it).
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,29 +22,94 @@ from accelerate.utils import DistributedType
 
 from models.checkpoint import TARGET_DIR
 from models.loader import load_target
-from models.target import TargetModel
+from models.target import TargetModel, TargetOutput
 from train.features import target_forward
 from train.loop import TrainConfig, eval_batches
 from train.losses import medusa_head_targets
 from train.optim import adamw
 
 LM_LOSSES = ("ce", "kl")
+LAMBDA0_SCHEDULES = ("constant", "linear", "sine")
+
+
+@dataclass
+class JointConfig:
+    """Joint training (read when target.mode is "joint"; full fine-tuning, or LoRA with target.lora_rank > 0):
+    loss = L_LM + λ0 · L_drafter, the drafter trained alone for ``drafter_warmup_steps`` first. A family's recipe
+    sets its own defaults: Medusa-2 (Cai et al. 2024 §2.3.2) λ0 0.2 and the heads at 4x the target's learning rate;
+    MTP (DeepSeek-V3 §2.2) λ0 1 (its λ per depth is ``mtp.loss_weight``) at one rate."""
+
+    lambda0: float = 1.0
+    """Weight of the drafter's loss next to the LM loss."""
+    lambda0_schedule: str = "constant"
+    """Warm-up of λ0 after the drafter's warm-up: "constant", "linear" or "sine" over lambda0_warmup_steps."""
+    lambda0_warmup_steps: int = 0
+    drafter_warmup_steps: int = 0
+    """Optimizer steps in which only the drafter trains (the target runs without gradients) before joint training."""
+    drafter_lr_multiplier: float = 1.0
+    """The drafter's learning rate relative to the target's."""
+    lm_loss: str = "ce"
+    """"ce": cross-entropy on the data's tokens; "kl": KL(original target ‖ trained target) on the next-token
+    distribution (self-distillation: the trained target is pulled towards its own original outputs)."""
+
+    def __post_init__(self) -> None:
+        if self.lambda0_schedule not in LAMBDA0_SCHEDULES:
+            raise ValueError(f"lambda0_schedule must be one of {LAMBDA0_SCHEDULES}, got {self.lambda0_schedule!r}")
+        if self.lm_loss not in LM_LOSSES:
+            raise ValueError(f"lm_loss must be one of {LM_LOSSES}, got {self.lm_loss!r}")
+        if self.lambda0 < 0 or self.lambda0_warmup_steps < 0 or self.drafter_warmup_steps < 0:
+            raise ValueError("need lambda0 >= 0 and warm-up steps >= 0")
+        if self.drafter_lr_multiplier <= 0:
+            raise ValueError("drafter_lr_multiplier must be > 0")
+
+    def lambda0_at(self, step: int) -> float:
+        """λ0 at optimizer step ``step`` (0 during the drafter's warm-up, where the LM loss is off too)."""
+        s = step - self.drafter_warmup_steps
+        if s < 0:
+            return 0.0
+        ramp = 1.0 if self.lambda0_warmup_steps == 0 else min(1.0, (s + 1) / self.lambda0_warmup_steps)
+        if self.lambda0_schedule == "linear":
+            return self.lambda0 * ramp
+        if self.lambda0_schedule == "sine":
+            return self.lambda0 * math.sin(0.5 * math.pi * ramp)
+        return self.lambda0
+
+
+DrafterRun = Callable[[torch.nn.Module, TargetOutput, dict, list[torch.Tensor]], list[torch.Tensor]]
+"""(drafter, the target's output on a batch, the batch, positions per head / depth [B, T] bool) → logits per head /
+depth at those positions: how a family's drafter reads the target (Medusa: the final-norm hidden state)."""
+
+
+class JointModel(torch.nn.Module):
+    """Target + drafter as one module: one optimizer and one distributed wrapper see both."""
+
+    def __init__(self, target: TargetModel, drafter: torch.nn.Module, run: DrafterRun) -> None:
+        super().__init__()
+        self.target, self.drafter, self.run = target, drafter, run
+
+    def forward(self, batch: dict, positions: list[torch.Tensor], lm_positions: torch.Tensor, train_target: bool):
+        """(LM logits at ``lm_positions`` [N, V], or None while the target is frozen; the drafter's logits at
+        ``positions``); the target runs without a graph while ``train_target`` is off (the drafter's warm-up)."""
+        with torch.set_grad_enabled(train_target and torch.is_grad_enabled()):
+            out = target_forward(self.target, batch, logits=False)
+        lm_logits = self.target.lm_head(out.last_hidden[lm_positions]) if train_target else None
+        return lm_logits, self.run(self.drafter, out, batch, positions)
 
 
 def trained_modules(
     accelerator: Accelerator,
     target: TargetModel,
     drafter: torch.nn.Module,
-    wrap: Callable[[TargetModel, torch.nn.Module], torch.nn.Module] | None,
+    run: DrafterRun | None,
     tc: TrainConfig,
     drafter_lr_multiplier: float,
     eval_set,
     pad_id: int,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, TargetModel | None, dict]:
     """(the module to train, its AdamW, the original target, the quality guard before training). Frozen target
-    (``wrap`` None): the drafter alone. Joint: ``wrap(target, drafter)``, one module for one optimizer and one
+    (``run`` None): the drafter alone. Joint: `JointModel` of both, one module for one optimizer and one
     distributed wrapper, the drafter at ``drafter_lr_multiplier`` times the target's rate."""
-    if wrap is None:
+    if run is None:
         return drafter, adamw(drafter, tc.lr, tc.weight_decay), None, {}
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         # the warm-up drops the target's gradients between backward and the update, which DeepSpeed fuses
@@ -50,7 +119,7 @@ def trained_modules(
         )
     original = original_of(target)
     before = quality(accelerator, target, original, eval_set, tc, pad_id) if eval_set is not None else {}
-    model = wrap(target, drafter)
+    model = JointModel(target, drafter, run)
     optimizer = adamw(model, tc.lr, tc.weight_decay, lr_scales={drafter: drafter_lr_multiplier})
     return model, optimizer, original, before
 

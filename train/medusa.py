@@ -12,8 +12,8 @@ head → static tree chosen from those accuracies under a node budget → checkp
 τ / speedup report beside prompt lookup, the small draft model and the drafters in ``report.compare``.
 
 Medusa-2 (``target.mode: joint``, Cai et al. 2024 §2.3.2): loss = L_LM + λ0 · Σ_k w^k L_k, the heads trained alone
-for ``joint.heads_warmup_steps`` first, λ0 warmed up (constant / linear / sine), the heads' learning rate ×
-``joint.head_lr_multiplier``; L_LM is the cross-entropy on the data or (``joint.lm_loss: kl``) the KL from the
+for ``joint.drafter_warmup_steps`` first, λ0 warmed up (constant / linear / sine), the heads' learning rate ×
+``joint.drafter_lr_multiplier`` (one `train.joint.JointConfig` and one loop, `train.position_loop`, shared with MTP); L_LM is the cross-entropy on the data or (``joint.lm_loss: kl``) the KL from the
 original target's next-token distribution (self-distillation, which keeps the target's outputs). Quality guard: the
 held-out LM loss and the top-1 agreement with the original target, before and after, logged and in the report.
 The checkpoint carries the target's changes (a LoRA adapter or the full weights, ``<out>/target``); the report and
@@ -22,7 +22,6 @@ The checkpoint carries the target's changes (a LoRA adapter or the full weights,
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,36 +31,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
-from torch import nn  # noqa: E402
 
 from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
 from infer.tree_search import best_rank_paths, expected_accepted  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.export import save_medusa_original, save_medusa_vllm  # noqa: E402
 from models.medusa import MedusaDrafter  # noqa: E402
-from models.target import TargetConfig, TargetModel  # noqa: E402
+from models.target import TargetConfig  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
 from train.data import DataConfig  # noqa: E402
-from train.features import final_hidden, target_forward  # noqa: E402
-from train.joint import LM_LOSSES, quality, save_target_changes, served, trained_modules  # noqa: E402
-from train.joint import lm_loss as joint_lm_loss  # noqa: E402
+from train.features import final_hidden  # noqa: E402
+from train.joint import JointConfig, save_target_changes, served, trained_modules  # noqa: E402
 from train.loop import (  # noqa: E402
-    Progress,
     TrainConfig,
-    epoch_batch,
     eval_batches,
     feature_source,
     full_state,
     load_target_and_data,
     make_accelerator,
-    record,
     report_mode,
     sample_lengths,
     stamp_heldout,
     start_training,
     to_device,
 )
-from train.losses import medusa_head_targets, position_losses, rank_hits, simulated_tau  # noqa: E402
+from train.losses import medusa_head_targets, rank_hits, simulated_tau  # noqa: E402
+from train.position_loop import PositionTask, train_positions  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -90,43 +85,12 @@ class HeadsConfig:
 
 
 @dataclass
-class JointConfig:
-    """Medusa-2 (read when target.mode is "joint"; full fine-tuning, or LoRA with target.lora_rank > 0)."""
+class MedusaJointConfig(JointConfig):
+    """Medusa-2's defaults (Cai et al. 2024 §2.3.2): λ0 0.2, the heads at 4x the target's learning rate; the fields,
+    the schedule and the loop are `train.joint.JointConfig`'s, shared with MTP."""
 
     lambda0: float = 0.2
-    """Weight of the heads' loss next to the LM loss (Medusa-2: 0.2)."""
-    lambda0_schedule: str = "constant"
-    """Warm-up of λ0 after the heads warm-up: "constant", "linear" or "sine" over lambda0_warmup_steps."""
-    lambda0_warmup_steps: int = 0
-    heads_warmup_steps: int = 0
-    """Optimizer steps in which only the heads train (the target runs without gradients) before joint training."""
-    head_lr_multiplier: float = 4.0
-    """The heads' learning rate relative to the target's (Medusa-2: 4)."""
-    lm_loss: str = "ce"
-    """"ce": cross-entropy on the data's tokens; "kl": KL(original target ‖ trained target) on the next-token
-    distribution (self-distillation: the trained target is pulled towards its own original outputs)."""
-
-    def __post_init__(self) -> None:
-        if self.lambda0_schedule not in ("constant", "linear", "sine"):
-            raise ValueError("lambda0_schedule must be 'constant', 'linear' or 'sine'")
-        if self.lm_loss not in LM_LOSSES:
-            raise ValueError("lm_loss must be 'ce' or 'kl'")
-        if self.lambda0 < 0 or self.lambda0_warmup_steps < 0 or self.heads_warmup_steps < 0:
-            raise ValueError("need lambda0 >= 0 and warm-up steps >= 0")
-        if self.head_lr_multiplier <= 0:
-            raise ValueError("head_lr_multiplier must be > 0")
-
-    def lambda0_at(self, step: int) -> float:
-        """λ0 at optimizer step ``step`` (0 during the heads warm-up, where the LM loss is off too)."""
-        s = step - self.heads_warmup_steps
-        if s < 0:
-            return 0.0
-        ramp = 1.0 if self.lambda0_warmup_steps == 0 else min(1.0, (s + 1) / self.lambda0_warmup_steps)
-        if self.lambda0_schedule == "linear":
-            return self.lambda0 * ramp
-        if self.lambda0_schedule == "sine":
-            return self.lambda0 * math.sin(0.5 * math.pi * ramp)
-        return self.lambda0
+    drafter_lr_multiplier: float = 4.0
 
 
 @dataclass
@@ -140,7 +104,7 @@ class MedusaRecipeConfig:
     eval_data: DataConfig | None = None
     """Held-out data for per-head accuracy, the simulated τ and the static tree (None: no tree)."""
     report: ReportConfig = field(default_factory=ReportConfig)
-    joint: JointConfig = field(default_factory=JointConfig)
+    joint: MedusaJointConfig = field(default_factory=MedusaJointConfig)
     """Medusa-2 settings, used when target.mode is "joint"."""
 
     def __post_init__(self) -> None:
@@ -149,19 +113,9 @@ class MedusaRecipeConfig:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-class JointMedusa(nn.Module):
-    """Target + heads as one module (Medusa-2): one optimizer and one distributed wrapper see both."""
-
-    def __init__(self, target: TargetModel, heads: MedusaDrafter) -> None:
-        super().__init__()
-        self.target, self.heads = target, heads
-
-    def forward(self, batch: dict, head_positions: list[torch.Tensor], lm_positions, train_target: bool):
-        """(LM logits at ``lm_positions`` [N, V], head k's logits at ``head_positions[k]``); the target runs
-        without a graph while ``train_target`` is off (heads warm-up)."""
-        with torch.set_grad_enabled(train_target and torch.is_grad_enabled()):
-            hidden = target_forward(self.target, batch, logits=False).last_hidden
-        return self.target.lm_head(hidden[lm_positions]), self.heads([hidden[p] for p in head_positions])
+def heads_on(heads: MedusaDrafter, out, batch: dict, positions: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Head k's logits at ``positions[k]``, from the target's final-norm hidden state (joint training's reading)."""
+    return heads([out.last_hidden[p] for p in positions])
 
 
 @torch.no_grad()
@@ -201,11 +155,11 @@ def main(argv: list[str]) -> None:
     out = Path(tc.output_dir)
     if hc.init_from and not (Path(hc.init_from) / "config.json").exists():
         raise SystemExit(f"heads.init_from={hc.init_from}: no checkpoint there (train it first, or set null)")
-    warmup_phase = cfg.target.mode == "joint" and cfg.joint.heads_warmup_steps > 0
+    warmup_phase = cfg.target.mode == "joint" and cfg.joint.drafter_warmup_steps > 0
     accelerator, log = make_accelerator(
         tc, find_unused=warmup_phase, target=cfg.target
     )  # the target's parameters idle in warm-up
-    rank, world = accelerator.process_index, accelerator.num_processes
+    world = accelerator.num_processes
     set_seed(tc.seed)
     t_start = time.time()
 
@@ -232,64 +186,49 @@ def main(argv: list[str]) -> None:
     samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
 
     # ---- optimizer, schedule, resume
-    wrap = JointMedusa if joint else None
     model, optimizer, original, before = trained_modules(
-        accelerator, target, heads, wrap, tc, jc.head_lr_multiplier, eval_set, pad_id
+        accelerator, target, heads, heads_on if joint else None, tc, jc.drafter_lr_multiplier, eval_set, pad_id
     )
     lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
     model, optimizer, per_epoch, total_steps, warmup, step = start_training(
         accelerator, cfg, model, optimizer, len(samples), log, "medusa", before=before, lengths=lengths
     )
 
-    # ---- loop
+    # ---- loop (train/position_loop.py, shared with MTP)
     K = hc.num_heads
-    progress = Progress(
-        accelerator, tc, total_steps, warmup, step, K, "medusa", "lm_loss" if joint else None, "head_loss"
+
+    def frozen_logits(model, batch, positions):
+        hidden = final_hidden(target, batch).to(next(heads.parameters()).dtype)
+        return model([hidden[p] for p in positions])
+
+    task = PositionTask(
+        name="medusa",
+        positions=K,
+        position_loss="head_loss",
+        targets=lambda batch: [medusa_head_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)],
+        frozen_logits=frozen_logits,
+        weights_at=lambda step: [hc.head_weight**k for k in range(K)],
+        evaluate=lambda: evaluate(accelerator, target, heads, eval_set, cfg, pad_id),
     )
-    micro, last_eval = step * tc.grad_accum, {}
-    while progress.step < total_steps:
-        ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
-        batch = to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device)
-        targets = [medusa_head_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)]
-        train_target = joint and progress.step >= jc.heads_warmup_steps
-        with accelerator.accumulate(model), accelerator.autocast():  # no all-reduce before the boundary
-            lm_loss = torch.zeros((), device=accelerator.device)
-            if joint:
-                lm_pos, lm_labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)
-                lm_logits, head_logits = model(batch, [p for p, _ in targets], lm_pos, train_target)
-                if train_target:
-                    lm_loss = joint_lm_loss(jc.lm_loss, lm_logits, target, original, batch, lm_pos, lm_labels)
-            else:
-                hidden = final_hidden(target, batch).to(next(heads.parameters()).dtype)
-                head_logits = model([hidden[p] for p, _ in targets])
-            res = position_losses(head_logits, targets, [hc.head_weight**k for k in range(K)])
-            loss = lm_loss + (jc.lambda0_at(progress.step) if train_target else 1.0) * res["loss"]
-            accelerator.backward(loss)  # divided by train.grad_accum there
-        progress.add(
-            loss, res["correct"], res["count"], int(batch["attention_mask"].sum()), lm_loss, res["position_loss"]
-        )
-        micro += 1
-        if not accelerator.sync_gradients:
-            continue
-        if joint and not train_target:
-            for p in target.parameters():  # a shared head is the target's: it waits for the joint phase too
-                p.grad = None
-        progress.optimizer_step(model, optimizer)
-        do_log, do_eval = progress.due(eval_set is not None)
-        if do_log:
-            metrics = progress.metrics()
-            if joint:
-                metrics["lambda0"] = jc.lambda0_at(progress.step - 1)
-            if do_eval:
-                last_eval = evaluate(accelerator, target, heads, eval_set, cfg, pad_id)
-                metrics.update({k: v for k, v in last_eval.items() if k != "tree_paths"})
-                if joint:
-                    last_eval.update(quality(accelerator, target, original, eval_set, tc, pad_id))
-                    metrics.update({k: last_eval[k] for k in ("eval/lm_loss", "eval/agreement")})
-            record(accelerator, tc, metrics, log)
-        if progress.save_due():
-            save_training_state(accelerator, out, {"step": progress.step}, tc.keep_states)
-    step, train_s = progress.step, progress.close()
+    step, train_s, last_eval = train_positions(
+        accelerator,
+        tc,
+        task,
+        model,
+        optimizer,
+        lambda ids: to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device),
+        len(samples),
+        per_epoch,
+        (total_steps, warmup, step),
+        lengths,
+        log,
+        jc if joint else None,
+        target,
+        original,
+        before,
+        eval_set,
+        pad_id,
+    )
 
     # ---- save: resumable state, the target's changes (Medusa-2), checkpoint with its static tree, engine exports
     save_training_state(accelerator, out, {"step": step}, tc.keep_states)

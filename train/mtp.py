@@ -14,8 +14,9 @@ Loss (DeepSeek-V3 §2.2): L = L_main + Σ_d λ_d · CE_d. Depth d (0-based) at p
 the embedding of token t+1+d, and predicts token t+2+d; CE_d is its mean cross-entropy over the loss tokens. λ is one
 value (λ/D for each depth, as DeepSeek-V3 writes it) or one per depth, optionally switched at a step (DeepSeek-V3: 0.3,
 then 0.1). L_main, the target's own next-token loss, is there in joint mode only (``target.mode: joint``; LoRA or
-full): the target trains with the modules, after ``joint.modules_warmup_steps`` in which only the modules train. The main-loss change is the quality
-guard: held-out LM loss and top-1 agreement with the original target, before and after, logged and in the report.
+full): the target trains with the modules, after ``joint.drafter_warmup_steps`` in which only the modules train
+(one `train.joint.JointConfig` and one loop, `train.position_loop`, shared with Medusa-2). The main-loss change is the
+quality guard: held-out LM loss and top-1 agreement with the original target, before and after, logged and in the report.
 Features are online: every step runs the target (a joint target changes every step, and the offline cache holds no
 pre-norm state for ``mtp.input_signal: pre_norm``).
 """
@@ -32,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
-from torch import nn  # noqa: E402
 
 from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
 from infer.mtp_proposer import input_signal  # noqa: E402
@@ -52,24 +52,21 @@ from train.data import (
     collate,  # noqa: E402
 )
 from train.features import attention_masks, target_forward  # noqa: E402
-from train.joint import LM_LOSSES, quality, save_target_changes, served, trained_modules  # noqa: E402
-from train.joint import lm_loss as joint_lm_loss  # noqa: E402
+from train.joint import JointConfig, save_target_changes, served, trained_modules  # noqa: E402
 from train.loop import (  # noqa: E402
-    Progress,
     TrainConfig,
-    epoch_batch,
     eval_batches,
     full_state,
     load_target_and_data,
     make_accelerator,
-    record,
     report_mode,
     sample_lengths,
     stamp_heldout,
     start_training,
     to_device,
 )
-from train.losses import medusa_head_targets, position_losses, rank_hits, simulated_tau  # noqa: E402
+from train.losses import medusa_head_targets, rank_hits, simulated_tau  # noqa: E402
+from train.position_loop import PositionTask, train_positions  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -113,24 +110,6 @@ class ModulesConfig:
 
 
 @dataclass
-class JointConfig:
-    """Joint mode (read when target.mode is "joint"; full fine-tuning, or LoRA with target.lora_rank > 0)."""
-
-    modules_warmup_steps: int = 0
-    """Optimizer steps in which only the modules train (the target runs without gradients) before joint training."""
-    module_lr_multiplier: float = 1.0
-    """The modules' learning rate relative to the target's (DeepSeek-V3 trains both at one rate)."""
-    lm_loss: str = "ce"
-    """L_main: "ce" on the data's tokens, or "kl" from the original target (self-distillation: keeps its outputs)."""
-
-    def __post_init__(self) -> None:
-        if self.lm_loss not in LM_LOSSES:
-            raise ValueError(f"lm_loss must be one of {LM_LOSSES}")
-        if self.modules_warmup_steps < 0 or self.module_lr_multiplier <= 0:
-            raise ValueError("need modules_warmup_steps >= 0 and module_lr_multiplier > 0")
-
-
-@dataclass
 class MTPRecipeConfig:
     target: TargetConfig
     data: DataConfig
@@ -141,6 +120,7 @@ class MTPRecipeConfig:
     """Held-out data for per-depth loss / accuracy, simulated τ and (joint) the quality guard."""
     report: ReportConfig = field(default_factory=ReportConfig)
     joint: JointConfig = field(default_factory=JointConfig)
+    """Joint mode's settings, used when target.mode is "joint" (DeepSeek-V3: λ0 1, one learning rate)."""
 
     def __post_init__(self) -> None:
         if self.train.features != "online":
@@ -151,20 +131,10 @@ class MTPRecipeConfig:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-class JointMTP(nn.Module):
-    """Target + modules as one module (joint mode): one optimizer and one distributed wrapper see both."""
-
-    def __init__(self, target: TargetModel, drafter: MTPDrafter) -> None:
-        super().__init__()
-        self.target, self.drafter = target, drafter
-
-    def forward(self, batch: dict, positions: list[torch.Tensor], lm_positions: torch.Tensor, train_target: bool):
-        """(LM logits at ``lm_positions`` [N, V] or None while the target is frozen, depth d's logits at
-        ``positions[d]``); the target runs without a graph while ``train_target`` is off (modules warm-up)."""
-        with torch.set_grad_enabled(train_target and torch.is_grad_enabled()):
-            out = target_forward(self.target, batch, logits=False)
-        lm_logits = self.target.lm_head(out.last_hidden[lm_positions]) if train_target else None
-        return lm_logits, run_modules(self.drafter, input_signal(self.drafter).of(out), batch, positions)
+def modules_on(drafter: MTPDrafter, out, batch: dict, positions: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Depth d's logits at ``positions[d]``, from the signal the drafter reads of the target's output (joint
+    training's reading)."""
+    return run_modules(drafter, input_signal(drafter).of(out), batch, positions)
 
 
 def run_modules(drafter: MTPDrafter, target_hidden: torch.Tensor, batch: dict, positions: list[torch.Tensor]):
@@ -220,8 +190,8 @@ def main(argv: list[str]) -> None:
     out, joint = Path(tc.output_dir), cfg.target.mode == "joint"
     if mc.init_from and not (Path(mc.init_from) / "config.json").exists():
         raise SystemExit(f"mtp.init_from={mc.init_from}: no checkpoint there (train it first, or set null)")
-    accelerator, log = make_accelerator(tc, find_unused=joint and jc.modules_warmup_steps > 0, target=cfg.target)
-    rank, world = accelerator.process_index, accelerator.num_processes
+    accelerator, log = make_accelerator(tc, find_unused=joint and jc.drafter_warmup_steps > 0, target=cfg.target)
+    world = accelerator.num_processes
     set_seed(tc.seed)
     t_start = time.time()
 
@@ -257,63 +227,51 @@ def main(argv: list[str]) -> None:
     )
 
     # ---- optimizer, schedule, resume
-    wrap = JointMTP if joint else None
     model, optimizer, original, before = trained_modules(
-        accelerator, target, drafter, wrap, tc, jc.module_lr_multiplier, eval_set, pad_id
+        accelerator, target, drafter, modules_on if joint else None, tc, jc.drafter_lr_multiplier, eval_set, pad_id
     )
     lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
     model, optimizer, per_epoch, total_steps, warmup, step = start_training(
         accelerator, cfg, model, optimizer, len(train_set), log, "mtp", before=before, lengths=lengths
     )
 
-    # ---- loop
+    # ---- loop (train/position_loop.py, shared with Medusa)
     D = mc.num_modules
-    second = "lm_loss" if joint else None
-    progress = Progress(accelerator, tc, total_steps, warmup, step, D, "mtp", second, "depth_loss")
-    micro, last_eval = step * tc.grad_accum, {}
-    while progress.step < total_steps:
-        ids = epoch_batch(len(train_set), micro, per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
-        batch = to_device(collate([train_set[i] for i in ids], pad_id), accelerator.device)
-        targets = depth_targets(batch, D)
-        train_target = joint and progress.step >= jc.modules_warmup_steps
-        with accelerator.accumulate(model), accelerator.autocast():  # no all-reduce before the boundary
-            lm_loss = torch.zeros((), device=accelerator.device)
-            if joint:
-                lm_pos, lm_labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)
-                lm_logits, depth_logits = model(batch, [p for p, _ in targets], lm_pos, train_target)
-                if train_target:
-                    lm_loss = joint_lm_loss(jc.lm_loss, lm_logits, target, original, batch, lm_pos, lm_labels)
-            else:
-                with torch.no_grad():
-                    hidden = signal.of(target_forward(target, batch, logits=False))
-                depth_logits = run_modules(model, hidden, batch, [p for p, _ in targets])
-            res = position_losses(depth_logits, targets, mc.weights_at(progress.step))
-            loss = lm_loss + res["loss"]
-            accelerator.backward(loss)  # divided by train.grad_accum there
-        progress.add(
-            loss, res["correct"], res["count"], int(batch["attention_mask"].sum()), lm_loss, res["position_loss"]
-        )
-        micro += 1
-        if not accelerator.sync_gradients:
-            continue
-        if joint and not train_target:
-            for p in target.parameters():  # the shared embedding / head are the target's: they wait for the joint phase
-                p.grad = None
-        progress.optimizer_step(model, optimizer)
-        do_log, do_eval = progress.due(eval_set is not None)
-        if do_log:
-            metrics = {**progress.metrics(), "lambda": mc.weights_at(progress.step - 1)}
-            if do_eval:
-                last_eval = evaluate(accelerator, target, drafter, eval_set, tc, mc.tree_ranks, pad_id)
-                if joint:
-                    last_eval.update(quality(accelerator, target, original, eval_set, tc, pad_id))
-                    if before:
-                        last_eval["eval/lm_loss_change"] = round(last_eval["eval/lm_loss"] - before["eval/lm_loss"], 4)
-                metrics.update(last_eval)
-            record(accelerator, tc, metrics, log)
-        if progress.save_due():
-            save_training_state(accelerator, out, {"step": progress.step}, tc.keep_states)
-    step, train_s = progress.step, progress.close()
+
+    def frozen_logits(model, batch, positions):
+        with torch.no_grad():
+            hidden = signal.of(target_forward(target, batch, logits=False))
+        return run_modules(model, hidden, batch, positions)
+
+    task = PositionTask(
+        name="mtp",
+        positions=D,
+        position_loss="depth_loss",
+        targets=lambda batch: depth_targets(batch, D),
+        frozen_logits=frozen_logits,
+        weights_at=mc.weights_at,
+        evaluate=lambda: evaluate(accelerator, target, drafter, eval_set, tc, mc.tree_ranks, pad_id),
+        log_extra=lambda step: {"lambda": mc.weights_at(step)},
+    )
+    step, train_s, last_eval = train_positions(
+        accelerator,
+        tc,
+        task,
+        model,
+        optimizer,
+        lambda ids: to_device(collate([train_set[i] for i in ids], pad_id), accelerator.device),
+        len(train_set),
+        per_epoch,
+        (total_steps, warmup, step),
+        lengths,
+        log,
+        jc if joint else None,
+        target,
+        original,
+        before,
+        eval_set,
+        pad_id,
+    )
 
     # ---- save: resumable state, the target's changes (joint), checkpoint, engine exports
     save_training_state(accelerator, out, {"step": step}, tc.keep_states)

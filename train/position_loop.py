@@ -1,0 +1,124 @@
+"""The training loop of drafters whose loss is a weighted sum over draft positions, on a frozen target or jointly
+with it: Medusa heads (head k predicts token t+2+k) and MTP modules (depth d predicts token t+2+d).
+
+One micro-step: the family's (positions, labels) per head / depth → logits (frozen: from the target's signal
+without a graph; joint: `train.joint.JointModel`, the target with a graph once the drafter's warm-up is over) →
+Σ_k λ_k CE_k (`train.losses.position_losses`), plus L_LM weighed against λ0 in joint training → backward under
+gradient accumulation; at each optimizer step the log line, the held-out evaluation (and, joint, the quality guard)
+and the resumable state when due. The recipes (train/medusa.py, train/mtp.py) build the family's `PositionTask`
+and call `train_positions`; they keep their setup, their save and their report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from models.target import TargetModel
+from train.checkpoint import save_training_state
+from train.joint import JointConfig, lm_loss, quality
+from train.loop import Progress, TrainConfig, epoch_batch, record
+from train.losses import medusa_head_targets, position_losses
+
+Targets = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class PositionTask:
+    """What the shared loop needs from one family."""
+
+    name: str
+    """Progress bar and checkpoint name ("medusa", "mtp")."""
+    positions: int
+    """Heads (Medusa) or depths (MTP)."""
+    position_loss: str
+    """The per-position loss's name in the log ("head_loss", "depth_loss")."""
+    targets: Callable[[dict], Targets]
+    """batch → (positions [B, T] bool, labels [B, T]) of every head / depth."""
+    frozen_logits: Callable[[torch.nn.Module, dict, list[torch.Tensor]], list[torch.Tensor]]
+    """(the trained module, batch, positions) → logits per head / depth, the target frozen."""
+    weights_at: Callable[[int], list[float]]
+    """Per-position loss weights at an optimizer step (Medusa: w^k; MTP: λ/D, switched at a step)."""
+    evaluate: Callable[[], dict]
+    """Held-out metrics of the drafter (``eval/acc`` per position, ...); keys other than ``eval/*`` are kept in the
+    returned last evaluation but not logged (Medusa's tree paths)."""
+    log_extra: Callable[[int], dict] = lambda step: {}
+    """Values logged beside the loss at a step (MTP: its λ)."""
+
+
+def train_positions(
+    accelerator: Accelerator,
+    tc: TrainConfig,
+    task: PositionTask,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch_of: Callable[[list[int]], dict],
+    num_samples: int,
+    per_epoch: int,
+    schedule: tuple[int, int, int],
+    lengths: torch.Tensor | None,
+    log,
+    joint: JointConfig | None = None,
+    target: TargetModel | None = None,
+    original: TargetModel | None = None,
+    before: dict | None = None,
+    eval_set=None,
+    pad_id: int = 0,
+) -> tuple[int, float, dict]:
+    """Train to ``schedule`` = (total steps, warm-up steps, step to start from: a resumed run's); returns (steps
+    done, training seconds, the last evaluation). ``batch_of(ids)``: the collated batch of those sample indices, on
+    the device. ``joint``: the joint settings where ``model`` is a `JointModel` (then ``target`` is its target,
+    ``original`` the unchanged one and ``before`` the quality guard before training); None for a frozen target."""
+    total_steps, warmup, step = schedule
+    rank, world = accelerator.process_index, accelerator.num_processes
+    second = "lm_loss" if joint else None
+    progress = Progress(
+        accelerator, tc, total_steps, warmup, step, task.positions, task.name, second, task.position_loss
+    )
+    micro, last_eval = step * tc.grad_accum, {}
+    while progress.step < total_steps:
+        ids = epoch_batch(num_samples, micro, per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
+        batch = batch_of(ids)
+        targets = task.targets(batch)
+        positions = [p for p, _ in targets]
+        train_target = joint is not None and progress.step >= joint.drafter_warmup_steps
+        with accelerator.accumulate(model), accelerator.autocast():  # no all-reduce before the boundary
+            lm = torch.zeros((), device=accelerator.device)
+            if joint is not None:
+                lm_pos, lm_labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)  # token t+1
+                lm_logits, logits = model(batch, positions, lm_pos, train_target)
+                if train_target:
+                    lm = lm_loss(joint.lm_loss, lm_logits, target, original, batch, lm_pos, lm_labels)
+            else:
+                logits = task.frozen_logits(model, batch, positions)
+            res = position_losses(logits, targets, task.weights_at(progress.step))
+            loss = lm + (joint.lambda0_at(progress.step) if train_target else 1.0) * res["loss"]
+            accelerator.backward(loss)  # divided by train.grad_accum there
+        progress.add(loss, res["correct"], res["count"], int(batch["attention_mask"].sum()), lm, res["position_loss"])
+        micro += 1
+        if not accelerator.sync_gradients:
+            continue
+        if joint is not None and not train_target:
+            for p in target.parameters():  # shared embeddings / heads are the target's: they wait for the joint phase
+                p.grad = None
+        progress.optimizer_step(model, optimizer)
+        do_log, do_eval = progress.due(eval_set is not None)
+        if do_log:
+            metrics = {**progress.metrics(), **task.log_extra(progress.step - 1)}
+            if joint is not None:
+                metrics["lambda0"] = joint.lambda0_at(progress.step - 1)
+            if do_eval:
+                last_eval = task.evaluate()
+                if joint is not None:
+                    last_eval.update(quality(accelerator, target, original, eval_set, tc, pad_id))
+                    if before:
+                        last_eval["eval/lm_loss_change"] = round(last_eval["eval/lm_loss"] - before["eval/lm_loss"], 4)
+                metrics.update({k: v for k, v in last_eval.items() if k.startswith("eval/")})
+            record(accelerator, tc, metrics, log)
+        if progress.save_due():
+            save_training_state(accelerator, Path(tc.output_dir), {"step": progress.step}, tc.keep_states)
+    return progress.step, progress.close(), last_eval

@@ -31,7 +31,6 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from eval.measure import prepare_target, quiet_routing
 from eval.stdlib_corpus import heldout_prompts
-from infer.attention import additive_mask
 from infer.batch_policy import BatchPolicy
 from infer.generate import DecodeState, generate_speculative, generate_vanilla, prefill, verify_tree
 from infer.proposer import Proposer, TargetSignal
@@ -392,10 +391,12 @@ def step_costs(
 ) -> tuple[dict[int, float], float | None]:
     """(`verify_costs`, the vanilla loop's step), timed in turn in one loop, so the two see the same machine.
     ``rows``: the batch, every row holding ``context`` (the cost of a forward depends on the shapes, not the
-    tokens). Vanilla's step at batch 1 is its loop's cached one-token forward without a tree mask; at a batch, the
-    batched loop's masked one-token forward (``infer.generate._vanilla_step``). The speculative verify path costs
-    more than vanilla's plain forward even at one token (the tree mask, the KV bookkeeping): on SmolLM2 here 107
-    against 97 ms. A prediction that took t_verify(1) for vanilla's step would be ~10 % optimistic."""
+    tokens); verify only (``vanilla=False``): vanilla's loop at a batch is timed on the real rows
+    (`vanilla_loop_step`). Vanilla's step at batch 1 is its loop's cached one-token forward without a tree mask.
+    The speculative verify path costs more than that even at one token (the tree mask, the KV bookkeeping): on
+    SmolLM2 here 107 against 97 ms. A prediction that took t_verify(1) for vanilla's step would be ~10 % optimistic."""
+    if vanilla and rows > 1:
+        raise ValueError("step_costs times vanilla's step at batch 1 only; use vanilla_loop_step at a batch")
     state = DecodeState([context] * rows, SamplingParams(max_new_tokens=1), (), target.device)
     prefill(target, state, capture_aux=aux)
     S = state.kv_valid.shape[1]
@@ -410,21 +411,13 @@ def step_costs(
         crop()
 
     plain = DynamicCache()
-    x = torch.tensor([[context[-1]]] * rows, device=target.device)
-    if vanilla and rows == 1:
+    x = torch.tensor([[context[-1]]], device=target.device)
+    if vanilla:
         target.model(input_ids=torch.tensor([context[:-1]], device=target.device), cache=plain, use_cache=True)
-    allowed = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)[:, None, :]
-    mask = additive_mask(allowed, target.dtype)
 
     def step() -> None:
-        if rows == 1:
-            target.model(input_ids=x, cache=plain, use_cache=True)
-            plain.crop(-1)  # transformers 5: a negative count removes that many tokens
-            return
-        target.model(
-            input_ids=x, attention_mask=mask, position_ids=state.lengths[:, None], cache=state.cache, use_cache=True
-        )
-        crop()
+        target.model(input_ids=x, cache=plain, use_cache=True)
+        plain.crop(-1)  # transformers 5: a negative count removes that many tokens
 
     for n in sizes:  # warm-up
         run(n)

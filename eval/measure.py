@@ -356,8 +356,7 @@ def measure(
                     res = generate_speculative(target, proposer, ids, params, eos_ids, spec=c.spec)
                     # a call the proposer left without drafts may have run vanilla's loop on the faster dtype's copy
                     # (the batch-aware policy): it is judged against that copy's vanilla, in that dtype
-                    other_dtype = not proposer.drafts and vanilla_target is not None
-                    other_dtype = other_dtype and proposer.vanilla_target is vanilla_target
+                    other_dtype = vanilla_target is not None and proposer.vanilla_target is vanilla_target
                     judge, reference = (certifier_other(), other.tokens) if other_dtype else (certifier, ref.tokens)
                     same, div = identity(judge, ids, reference, res.tokens, where) if params.greedy else (0, [])
                     compared = len(batch) if params.greedy else 0

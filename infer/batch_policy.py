@@ -76,13 +76,13 @@ class BatchAwareProposer(Proposer):
     def begin(self, contexts: list[list[int]]) -> None:
         k = self.policy.length_for(len(contexts))
         self.drafts = k > 0
-        self.vanilla_target = (
-            None if self.drafts or not self.vanilla_targets else at_batch(self.vanilla_targets, len(contexts))
-        )
         self.inner = self.make(k) if self.drafts else None
-        self.signal = self.inner.signal if self.inner is not None else TargetSignal.NONE
-        if self.inner is not None:
+        self.signal = self.inner.signal if self.drafts else TargetSignal.NONE
+        self.vanilla_target = None
+        if self.drafts:
             self.inner.begin(contexts)
+        elif self.vanilla_targets:
+            self.vanilla_target = at_batch(self.vanilla_targets, len(contexts))
 
     def propose(self, contexts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> DraftTree:
         if self.inner is None:

@@ -135,11 +135,13 @@ def test_deepspeed_auto_values_come_from_the_recipe_and_explicit_ones_must_agree
 
 
 def test_joint_training_under_a_sharding_engine_is_refused_before_it_starts():
-    from train.joint import trained_modules
+    from train.joint import JointConfig, trained_modules
 
     for kind in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         with pytest.raises(SystemExit, match="joint training .* runs under DDP only"):
-            trained_modules(SimpleNamespace(distributed_type=kind), None, None, lambda t, d: None, None, 1.0, None, 0)
+            trained_modules(
+                SimpleNamespace(distributed_type=kind), None, None, lambda t, d: None, None, JointConfig(), None, 0
+            )
 
 
 class _Payload:

@@ -96,21 +96,34 @@ class JointModel(torch.nn.Module):
         return lm_logits, self.run(self.drafter, out, batch, positions)
 
 
+@dataclass
+class JointRun:
+    """The target's side of a joint run: its settings, the trained target, the unchanged one (None with LoRA), its
+    quality before training (the guard's baseline) and what the guard measures on."""
+
+    config: JointConfig
+    target: TargetModel
+    original: TargetModel | None
+    before: dict
+    eval_set: object
+    pad_id: int
+
+
 def trained_modules(
     accelerator: Accelerator,
     target: TargetModel,
     drafter: torch.nn.Module,
     run: DrafterRun | None,
     tc: TrainConfig,
-    drafter_lr_multiplier: float,
+    jc: JointConfig,
     eval_set,
     pad_id: int,
-) -> tuple[torch.nn.Module, torch.optim.Optimizer, TargetModel | None, dict]:
-    """(the module to train, its AdamW, the original target, the quality guard before training). Frozen target
-    (``run`` None): the drafter alone. Joint: `JointModel` of both, one module for one optimizer and one
-    distributed wrapper, the drafter at ``drafter_lr_multiplier`` times the target's rate."""
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, JointRun | None]:
+    """(the module to train, its AdamW, the joint run's target side). Frozen target (``run`` None): the drafter
+    alone, no joint run. Joint: `JointModel` of both, one module for one optimizer and one distributed wrapper,
+    the drafter at ``jc.drafter_lr_multiplier`` times the target's rate."""
     if run is None:
-        return drafter, adamw(drafter, tc.lr, tc.weight_decay), None, {}
+        return drafter, adamw(drafter, tc.lr, tc.weight_decay), None
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         # the warm-up drops the target's gradients between backward and the update, which DeepSpeed fuses
         raise SystemExit(
@@ -120,8 +133,8 @@ def trained_modules(
     original = original_of(target)
     before = quality(accelerator, target, original, eval_set, tc, pad_id) if eval_set is not None else {}
     model = JointModel(target, drafter, run)
-    optimizer = adamw(model, tc.lr, tc.weight_decay, lr_scales={drafter: drafter_lr_multiplier})
-    return model, optimizer, original, before
+    optimizer = adamw(model, tc.lr, tc.weight_decay, lr_scales={drafter: jc.drafter_lr_multiplier})
+    return model, optimizer, JointRun(jc, target, original, before, eval_set, pad_id)
 
 
 def original_of(target: TargetModel) -> TargetModel | None:

@@ -186,11 +186,12 @@ def main(argv: list[str]) -> None:
     samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
 
     # ---- optimizer, schedule, resume
-    model, optimizer, original, before = trained_modules(
-        accelerator, target, heads, heads_on if joint else None, tc, jc.drafter_lr_multiplier, eval_set, pad_id
+    model, optimizer, joint_run = trained_modules(
+        accelerator, target, heads, heads_on if joint else None, tc, jc, eval_set, pad_id
     )
     lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
-    model, optimizer, per_epoch, total_steps, warmup, step = start_training(
+    before = joint_run.before if joint_run else None  # the quality guard's baseline
+    model, optimizer, *plan = start_training(
         accelerator, cfg, model, optimizer, len(samples), log, "medusa", before=before, lengths=lengths
     )
 
@@ -207,27 +208,13 @@ def main(argv: list[str]) -> None:
         position_loss="head_loss",
         targets=lambda batch: [medusa_head_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)],
         frozen_logits=frozen_logits,
+        batch_of=lambda ids: to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device),
+        num_samples=len(samples),
         weights_at=lambda step: [hc.head_weight**k for k in range(K)],
         evaluate=lambda: evaluate(accelerator, target, heads, eval_set, cfg, pad_id),
     )
     step, train_s, last_eval = train_positions(
-        accelerator,
-        tc,
-        task,
-        model,
-        optimizer,
-        lambda ids: to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device),
-        len(samples),
-        per_epoch,
-        (total_steps, warmup, step),
-        lengths,
-        log,
-        jc if joint else None,
-        target,
-        original,
-        before,
-        eval_set,
-        pad_id,
+        accelerator, tc, task, model, optimizer, plan, lengths, log, joint_run, eval_set is not None
     )
 
     # ---- save: resumable state, the target's changes (Medusa-2), checkpoint with its static tree, engine exports
@@ -252,7 +239,7 @@ def main(argv: list[str]) -> None:
         f"saved {out} (+ exports) after {train_s / 60:.1f} min of training, {(time.time() - t_start) / 60:.1f} min total"
     )
     notes = f"Medusa-{2 if joint else 1} heads trained {step} steps ({train_s / 60:.1f} min, world {world})."
-    if joint and before and "eval/lm_loss" in last_eval:
+    if before and "eval/lm_loss" in last_eval:
         notes += " " + quality_note(before, last_eval)
         log(notes)
 

@@ -227,11 +227,12 @@ def main(argv: list[str]) -> None:
     )
 
     # ---- optimizer, schedule, resume
-    model, optimizer, original, before = trained_modules(
-        accelerator, target, drafter, modules_on if joint else None, tc, jc.drafter_lr_multiplier, eval_set, pad_id
+    model, optimizer, joint_run = trained_modules(
+        accelerator, target, drafter, modules_on if joint else None, tc, jc, eval_set, pad_id
     )
     lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
-    model, optimizer, per_epoch, total_steps, warmup, step = start_training(
+    before = joint_run.before if joint_run else None  # the quality guard's baseline
+    model, optimizer, *plan = start_training(
         accelerator, cfg, model, optimizer, len(train_set), log, "mtp", before=before, lengths=lengths
     )
 
@@ -249,28 +250,14 @@ def main(argv: list[str]) -> None:
         position_loss="depth_loss",
         targets=lambda batch: depth_targets(batch, D),
         frozen_logits=frozen_logits,
+        batch_of=lambda ids: to_device(collate([train_set[i] for i in ids], pad_id), accelerator.device),
+        num_samples=len(train_set),
         weights_at=mc.weights_at,
         evaluate=lambda: evaluate(accelerator, target, drafter, eval_set, tc, mc.tree_ranks, pad_id),
         log_extra=lambda step: {"lambda": mc.weights_at(step)},
     )
     step, train_s, last_eval = train_positions(
-        accelerator,
-        tc,
-        task,
-        model,
-        optimizer,
-        lambda ids: to_device(collate([train_set[i] for i in ids], pad_id), accelerator.device),
-        len(train_set),
-        per_epoch,
-        (total_steps, warmup, step),
-        lengths,
-        log,
-        jc if joint else None,
-        target,
-        original,
-        before,
-        eval_set,
-        pad_id,
+        accelerator, tc, task, model, optimizer, plan, lengths, log, joint_run, eval_set is not None
     )
 
     # ---- save: resumable state, the target's changes (joint), checkpoint, engine exports
@@ -303,7 +290,7 @@ def main(argv: list[str]) -> None:
             f" Held-out teacher-forced top-1 accuracy per depth {last_eval['eval/acc']}, simulated τ"
             f" {last_eval['eval/simulated_tau']:.2f}."
         )
-    if joint and before and "eval/lm_loss" in last_eval:
+    if before and "eval/lm_loss" in last_eval:
         notes += " " + quality_note(before, last_eval)
     log(notes)
 

@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from models.target import TargetModel
 from train.checkpoint import save_training_state
-from train.joint import JointConfig, lm_loss, quality
+from train.joint import JointRun, lm_loss, quality
 from train.loop import Progress, TrainConfig, epoch_batch, record
 from train.losses import medusa_head_targets, position_losses
 
@@ -46,6 +45,9 @@ class PositionTask:
     evaluate: Callable[[], dict]
     """Held-out metrics of the drafter (``eval/acc`` per position, ...); keys other than ``eval/*`` are kept in the
     returned last evaluation but not logged (Medusa's tree paths)."""
+    batch_of: Callable[[list[int]], dict]
+    """Sample indices → the collated batch, on the device."""
+    num_samples: int
     log_extra: Callable[[int], dict] = lambda step: {}
     """Values logged beside the loss at a step (MTP: its λ)."""
 
@@ -56,24 +58,16 @@ def train_positions(
     task: PositionTask,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    batch_of: Callable[[list[int]], dict],
-    num_samples: int,
-    per_epoch: int,
-    schedule: tuple[int, int, int],
+    plan: tuple[int, int, int, int],
     lengths: torch.Tensor | None,
     log,
-    joint: JointConfig | None = None,
-    target: TargetModel | None = None,
-    original: TargetModel | None = None,
-    before: dict | None = None,
-    eval_set=None,
-    pad_id: int = 0,
+    joint: JointRun | None,
+    with_eval: bool,
 ) -> tuple[int, float, dict]:
-    """Train to ``schedule`` = (total steps, warm-up steps, step to start from: a resumed run's); returns (steps
-    done, training seconds, the last evaluation). ``batch_of(ids)``: the collated batch of those sample indices, on
-    the device. ``joint``: the joint settings where ``model`` is a `JointModel` (then ``target`` is its target,
-    ``original`` the unchanged one and ``before`` the quality guard before training); None for a frozen target."""
-    total_steps, warmup, step = schedule
+    """Train to ``plan`` = (micro-batches per epoch, total steps, warm-up steps, step to start from: a resumed
+    run's), as `train.loop.start_training` returns it; returns (steps done, training seconds, the last evaluation).
+    ``joint``: where ``model`` is a `JointModel`; None for a frozen target. ``with_eval``: there is a held-out set."""
+    per_epoch, total_steps, warmup, step = plan
     rank, world = accelerator.process_index, accelerator.num_processes
     second = "lm_loss" if joint else None
     progress = Progress(
@@ -81,42 +75,49 @@ def train_positions(
     )
     micro, last_eval = step * tc.grad_accum, {}
     while progress.step < total_steps:
-        ids = epoch_batch(num_samples, micro, per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
-        batch = batch_of(ids)
+        ids = epoch_batch(task.num_samples, micro, per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
+        batch = task.batch_of(ids)
         targets = task.targets(batch)
         positions = [p for p, _ in targets]
-        train_target = joint is not None and progress.step >= joint.drafter_warmup_steps
+        train_target = joint is not None and progress.step >= joint.config.drafter_warmup_steps
         with accelerator.accumulate(model), accelerator.autocast():  # no all-reduce before the boundary
             lm = torch.zeros((), device=accelerator.device)
             if joint is not None:
                 lm_pos, lm_labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)  # token t+1
                 lm_logits, logits = model(batch, positions, lm_pos, train_target)
                 if train_target:
-                    lm = lm_loss(joint.lm_loss, lm_logits, target, original, batch, lm_pos, lm_labels)
+                    lm = lm_loss(
+                        joint.config.lm_loss, lm_logits, joint.target, joint.original, batch, lm_pos, lm_labels
+                    )
             else:
                 logits = task.frozen_logits(model, batch, positions)
             res = position_losses(logits, targets, task.weights_at(progress.step))
-            loss = lm + (joint.lambda0_at(progress.step) if train_target else 1.0) * res["loss"]
+            loss = lm + (joint.config.lambda0_at(progress.step) if train_target else 1.0) * res["loss"]
             accelerator.backward(loss)  # divided by train.grad_accum there
         progress.add(loss, res["correct"], res["count"], int(batch["attention_mask"].sum()), lm, res["position_loss"])
         micro += 1
         if not accelerator.sync_gradients:
             continue
         if joint is not None and not train_target:
-            for p in target.parameters():  # shared embeddings / heads are the target's: they wait for the joint phase
+            for (
+                p
+            ) in joint.target.parameters():  # shared embeddings / heads are the target's: they wait for the joint phase
                 p.grad = None
         progress.optimizer_step(model, optimizer)
-        do_log, do_eval = progress.due(eval_set is not None)
+        do_log, do_eval = progress.due(with_eval)
         if do_log:
             metrics = {**progress.metrics(), **task.log_extra(progress.step - 1)}
             if joint is not None:
-                metrics["lambda0"] = joint.lambda0_at(progress.step - 1)
+                metrics["lambda0"] = joint.config.lambda0_at(progress.step - 1)
             if do_eval:
                 last_eval = task.evaluate()
                 if joint is not None:
-                    last_eval.update(quality(accelerator, target, original, eval_set, tc, pad_id))
-                    if before:
-                        last_eval["eval/lm_loss_change"] = round(last_eval["eval/lm_loss"] - before["eval/lm_loss"], 4)
+                    last_eval.update(
+                        quality(accelerator, joint.target, joint.original, joint.eval_set, tc, joint.pad_id)
+                    )
+                    if joint.before:
+                        change = last_eval["eval/lm_loss"] - joint.before["eval/lm_loss"]
+                        last_eval["eval/lm_loss_change"] = round(change, 4)
                 metrics.update({k: v for k, v in last_eval.items() if k.startswith("eval/")})
             record(accelerator, tc, metrics, log)
         if progress.save_due():

@@ -9,7 +9,10 @@ compute.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -148,11 +151,52 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     return from_dict(cls, apply_overrides(data, list(overrides or [])))
 
 
+def _field_docs(cls: type) -> dict[str, str]:
+    """The first line of the docstring under each field of ``cls`` (and its bases), read from the source."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError, IndexError, AttributeError):  # built at run time: no source to read
+            continue
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                    docs[node.target.id] = str(after.value.value).strip().splitlines()[0]
+    return docs
+
+
+def describe(cls: type, prefix: str = "") -> list[str]:
+    """One line per setting of ``cls``: ``dotted.key = default  doc``, sections recursed into."""
+    lines, hints, docs = [], typing.get_type_hints(cls), _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        key = prefix + f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines += describe(hints[f.name], key + ".")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
+        else:
+            default = "(required)"
+        doc = docs.get(f.name, "")
+        lines.append(f"  {key} = {default}" + (f"  # {doc}" if doc else ""))
+    return lines
+
+
 def parse_cli(cls: type[T], argv: list[str]) -> T:
-    """``[--config FILE] [key=value ...]`` → config (the syntax every entry script shares)."""
+    """``[--config FILE] [key=value ...]`` → config (the syntax every entry script shares); ``--help`` prints
+    every setting with its default and exits."""
     path, overrides, args = None, [], list(argv)
     while args:
         arg = args.pop(0)
+        if arg in ("--help", "-h"):
+            print("usage: [--config FILE.yaml] [key=value ...]\n\nsettings (key = default):")
+            print("\n".join(describe(cls)))
+            raise SystemExit(0)
         if arg in ("--config", "-c"):
             if not args:
                 raise ConfigError("--config needs a file")

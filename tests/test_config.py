@@ -71,6 +71,15 @@ def test_bad_input_fails_with_a_clear_message(argv, message):
         parse_cli(Outer, argv)
 
 
+def test_help_lists_every_setting_with_its_default_and_doc_and_exits(capsys):
+    with pytest.raises(SystemExit) as stop:
+        parse_cli(Outer, ["inner.lr=1", "--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert "  inner.lr = 0.0001  # learning rate" in out and "  inner.steps = 10  # steps" in out
+    assert "  ids = None  # optional ids" in out and "--config FILE.yaml" in out
+
+
 def _recipe_files():
     return sorted(p for p in RECIPES.rglob("*.yaml"))
 

@@ -387,7 +387,7 @@ def run_report(
         }
     first = next((r for r in rows if r["temperature"] == 0.0 and r["batch_size"] == 1 and r["category"] == "all"), None)
     if first is not None:
-        checks["vanilla_check"] = vanilla_check(target, prompts[0].ids, first)
+        checks["vanilla_check"] = vanilla_check(target, [p.ids for p in prompts], first)
         log(f"vanilla check: {checks['vanilla_check']['summary']}")
     write_report(
         out_dir,

@@ -157,12 +157,12 @@ def _field_docs(cls: type) -> dict[str, str]:
     for klass in reversed(cls.__mro__[:-1]):
         try:
             body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
-        except (OSError, TypeError, IndexError, AttributeError):  # built at run time: no source to read
+        except (OSError, TypeError):  # built at run time, or a builtin: no source to read
             continue
         for node, after in zip(body, body[1:]):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-                    docs[node.target.id] = str(after.value.value).strip().splitlines()[0]
+                    docs[node.target.id] = (str(after.value.value).strip().splitlines() or [""])[0]
     return docs
 
 

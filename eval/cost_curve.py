@@ -29,11 +29,18 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from eval.measure import prepare_target, quiet_routing
+from eval.measure import loop_context, prepare_target, quiet_routing
 from eval.stdlib_corpus import heldout_prompts
-from infer.attention import SlackCache
 from infer.batch_policy import BatchPolicy
-from infer.generate import DecodeState, generate_speculative, generate_vanilla, prefill, verify_tree
+from infer.generate import (
+    VANILLA_LOOPS,
+    DecodeState,
+    generate_speculative,
+    generate_vanilla,
+    prefill,
+    vanilla_steps,
+    verify_tree,
+)
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
 from infer.timing import timed
@@ -377,7 +384,7 @@ def _fastest_vanilla(served_step: float, baseline: TargetModel | None, context: 
     """The served dtype's vanilla step, or vanilla's in the baseline's dtype where that is faster."""
     if baseline is None:
         return served_step
-    return min(served_step, vanilla_step_cost(baseline.model, context, SIZING_REPS))
+    return min(served_step, vanilla_step_cost(baseline, context, SIZING_REPS))
 
 
 @torch.inference_mode()  # as decoding runs: with autograd on, the routed CPU layouts fall back to F.linear
@@ -393,10 +400,11 @@ def step_costs(
     """(`verify_costs`, the vanilla loop's step), timed in turn in one loop, so the two see the same machine.
     ``rows``: the batch, every row holding ``context`` (the cost of a forward depends on the shapes, not the
     tokens); verify only (``vanilla=False``): vanilla's loop at a batch is timed on the real rows
-    (`vanilla_loop_step`). Vanilla's step at batch 1 is its loop's cached one-token forward without a tree mask.
-    The two differ even at one token, so t_verify(1) cannot stand in for vanilla's step: on SmolLM2 the verify
-    path cost 107 against 97 ms in fp32 on the AVX2 EPYC (the tree mask, the KV bookkeeping), and 36 against 41 ms
-    in bf16 on the AVX-512-BF16 one (docs/decisions.md, "The vanilla check compares like with like")."""
+    (`vanilla_loop_step`). Vanilla's step at batch 1 is the one-token forward of the loop ``target.vanilla_loop``
+    names (`eval.measure.choose_vanilla_loop`), in its own cache. It differs from t_verify(1), which adds the tree
+    mask and the KV bookkeeping: on SmolLM2 the verify path cost 107 against 97 ms for the plain loop in fp32 on the
+    AVX2 EPYC, and 36 against 41 ms in bf16 on the AVX-512-BF16 one, where the masked loop is chosen
+    (docs/decisions.md, "The vanilla check compares like with like")."""
     if vanilla and rows > 1:
         raise ValueError("step_costs times vanilla's step at batch 1 only; use vanilla_loop_step at a batch")
     state = DecodeState([context] * rows, SamplingParams(max_new_tokens=1), (), target.device)
@@ -412,15 +420,7 @@ def step_costs(
         verify_tree(target, state, trees[n], capture_aux=aux)
         crop()
 
-    plain = SlackCache()  # the batch-1 vanilla loop's own cache
-    x = torch.tensor([[context[-1]]], device=target.device)
-    if vanilla:
-        target.model(input_ids=torch.tensor([context[:-1]], device=target.device), cache=plain, use_cache=True)
-
-    def step() -> None:
-        target.model(input_ids=x, cache=plain, use_cache=True)
-        plain.crop(-1)  # transformers 5: a negative count removes that many tokens
-
+    step = vanilla_steps(target, context)[target.vanilla_loop] if vanilla else None  # in that loop's own cache
     for n in sizes:  # warm-up
         run(n)
     if vanilla:
@@ -442,20 +442,14 @@ def step_costs(
 
 
 @torch.inference_mode()
-def vanilla_step_cost(model, context: list[int], reps: int) -> float:
-    """Seconds of one cached single-token forward without a mask, in the batch-1 vanilla loop's own cache (the
-    fastest of ``reps``, the statistic `step_costs` takes for the verify curve it is compared with: a median here
-    against minima there made 2-4-token verifies look faster than one token on a bf16 host, 35.5 against 41.9 ms)."""
-    cache, device = SlackCache(), next(model.parameters()).device
-    model(input_ids=torch.tensor([context[:-1]], device=device), cache=cache, use_cache=True)
-    x = torch.tensor([[context[-1]]], device=device)
-
-    def run() -> None:
-        model(input_ids=x, cache=cache, use_cache=True)
-        cache.crop(-1)  # transformers 5: a negative count removes that many tokens
-
+def vanilla_step_cost(target: TargetModel, context: list[int], reps: int, loop: str | None = None) -> float:
+    """Seconds of one cached one-token forward of the batch-1 vanilla loop ``loop`` (default the target's own,
+    `infer.generate.vanilla_steps`), the fastest of ``reps``: the statistic `step_costs` takes for the verify curve it
+    is compared with (a median here against minima there made 2-4-token verifies look faster than one token on a
+    bf16 host, 35.5 against 41.9 ms)."""
+    run = vanilla_steps(target, context)[loop or target.vanilla_loop]
     run()
-    return min(timed(run, device) for _ in range(reps))
+    return min(timed(run, target.device) for _ in range(reps))
 
 
 SIZING_REPS = 7
@@ -473,10 +467,9 @@ def vanilla_check(target: TargetModel, contexts: list[list[int]], row: dict, rep
     shape alone. The forwards are timed after a context as long as the loop's mean one: the mean of ``contexts``
     (the measured prompts) plus half the row's mean answer. Timed after the first prompt alone, a short one, the
     check had called a loop over long RAG and summarisation prompts 28 % slow."""
-    mean = statistics.mean(map(len, contexts)) + row["vanilla_mean_answer_tokens"] / 2
-    pool = [t for c in contexts for t in c]
-    context = (pool * (1 + int(mean) // len(pool)))[: max(2, round(mean))]
-    fastest = vanilla_step_cost(target.model, context, reps)
+    context = loop_context(contexts, row["vanilla_mean_answer_tokens"])
+    steps = {loop: vanilla_step_cost(target, context, reps, loop) for loop in VANILLA_LOOPS}
+    fastest = min(steps.values())
     logits = torch.randn(1, target.vocab_size, device=target.device, dtype=target.dtype)
     sampling = statistics.median(timed(lambda: logits.argmax(-1), target.device) for _ in range(reps))
     curve = verify_costs(target, context, (1, 2, 3, 4, 6, 8), reps, aux=False)
@@ -487,7 +480,10 @@ def vanilla_check(target: TargetModel, contexts: list[list[int]], row: dict, rep
     words = (
         f"vanilla's step {1e3 * loop:.1f} ms (forward {row['vanilla_ms']['forward']:.1f} + sampling and bookkeeping "
         f"{row['vanilla_ms']['bookkeeping']:.1f}) against the fastest one-token forward here {1e3 * fastest:.1f} ms + "
-        f"argmax {1e3 * sampling:.2f} ms, after {len(context)} tokens (the loop's mean context): "
+        f"argmax {1e3 * sampling:.2f} ms, after {len(context)} tokens (the loop's mean context; the "
+        f"{row['vanilla_loop']} loop ran, one-token forward "
+        + ", ".join(f"{loop} {1e3 * t:.1f} ms" for loop, t in steps.items())
+        + "): "
         + ("within noise" if loop_ok else f"{loop / best - 1:.0%} slower (the loop is not at its best)")
         + f"; verify ms by tokens {' '.join(f'{n}:{1e3 * t:.1f}' for n, t in curve.items())}: "
         + (
@@ -503,6 +499,7 @@ def vanilla_check(target: TargetModel, contexts: list[list[int]], row: dict, rep
     return {
         "loop_step_ms": 1e3 * loop,
         "fastest_forward_ms": 1e3 * fastest,
+        "forward_ms_by_loop": {loop: 1e3 * t for loop, t in steps.items()},
         "sampling_ms": 1e3 * sampling,
         "verify_ms": {n: 1e3 * t for n, t in curve.items()},
         "loop_within_noise": loop_ok,
@@ -585,7 +582,7 @@ def main(argv: list[str] | None = None) -> None:
         "verify_with_features_s": verify_costs(target, context, SIZES, args.reps, aux=True),
     }
     if draft is not None:
-        result["draft_model_step_s"] = vanilla_step_cost(draft, context, args.reps)
+        result["draft_model_step_s"] = vanilla_step_cost(TargetModel(draft), context, args.reps, "plain")
     if args.drafter:
         result["eagle3_step_s"] = eagle3_step_costs(target, args.drafter, args.context, args.reps)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,13 +29,20 @@ from pathlib import Path
 import torch
 
 from infer.certificate import Certifier
-from infer.generate import GenerationStats, SpecConfig, generate_speculative, generate_vanilla
+from infer.generate import (
+    VANILLA_LOOPS,
+    GenerationStats,
+    SpecConfig,
+    generate_speculative,
+    generate_vanilla,
+    vanilla_steps,
+)
 from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.kernels.cpu_linear import uninstall as uninstall_cpu_linear
 from infer.proposer import Proposer
 from infer.proposers import PromptLookupProposer
 from infer.sampling import SamplingParams
-from infer.timing import clock
+from infer.timing import clock, timed
 from models.precision import choose, machine
 from models.target import TargetModel
 
@@ -79,6 +87,45 @@ def prepare_target(target: TargetModel, log: Callable[[str], None] = print) -> N
     cpu_linear.py); vanilla, HF generate and every proposer then run the same target."""
     if target.device.type == "cpu":
         install_cpu_linear(target.model, log)
+
+
+def loop_context(contexts: list[list[int]], answer_tokens: float) -> list[int]:
+    """A context as long as a vanilla loop's mean one over ``contexts`` (its prompts) with answers of
+    ``answer_tokens`` on average: the mean prompt plus half the mean answer, cut from the prompts' own tokens (the cost
+    of a forward depends on the length, not the tokens)."""
+    mean = statistics.mean(map(len, contexts)) + answer_tokens / 2
+    pool = [t for c in contexts for t in c]
+    return (pool * (1 + int(mean) // len(pool)))[: max(2, round(mean))]
+
+
+LOOP_REPS = 9
+"""Interleaved timings per batch-1 vanilla loop (`choose_vanilla_loop`); the fastest of each is compared."""
+
+
+def choose_vanilla_loop(
+    target: TargetModel, contexts: list[list[int]], answer_tokens: float, log: Callable[[str], None] = print
+) -> dict[str, float]:
+    """Time both batch-1 vanilla loops' one-token forward (`infer.generate.vanilla_steps`) in turn after the loops'
+    mean context (`loop_context`), and set ``target.vanilla_loop`` to the faster: DESIGN.md §4's strongest vanilla
+    at batch 1. Returns (and keeps as ``target.vanilla_loop_ms``) ms by loop. On the AVX-512-BF16 EPYC in bf16 the
+    masked loop's forward took 36 against 41 ms for the plain one; on the AVX2 EPYC in fp32 plain was faster."""
+    context = loop_context(contexts, answer_tokens)
+    steps = vanilla_steps(target, context)
+    for step in steps.values():  # warm-up
+        step()
+    times: dict[str, list[float]] = {name: [] for name in VANILLA_LOOPS}
+    for _ in range(LOOP_REPS):
+        for name in VANILLA_LOOPS:
+            times[name].append(timed(steps[name], target.device))
+    ms = {name: 1e3 * min(t) for name, t in times.items()}
+    target.vanilla_loop, target.vanilla_loop_ms = min(ms, key=ms.get), ms
+    dtype = str(target.dtype).removeprefix("torch.")
+    log(
+        f"vanilla at batch 1 ({dtype}): the {target.vanilla_loop} loop, one-token forward "
+        + " against ".join(f"{name} {t:.1f} ms" for name, t in sorted(ms.items(), key=lambda kv: kv[1]))
+        + f" after {len(context)} tokens"
+    )
+    return ms
 
 
 def hf_generate(model, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...], **assist):
@@ -151,6 +198,7 @@ def dtype_copy(target: TargetModel, dtype: torch.dtype, log: Callable[[str], Non
     replica = copy.deepcopy(target)
     uninstall_cpu_linear(replica.model)  # routes were chosen (or skipped) for the served dtype
     replica = replica.to(dtype)
+    replica.vanilla_loop, replica.vanilla_loop_ms = "plain", {}  # a choice made in another dtype does not carry
     prepare_target(replica, log)
     return replica
 
@@ -289,6 +337,9 @@ def measure(
     if vanilla_target is not None:
         prepare_target(vanilla_target, log)
         generate_vanilla(vanilla_target, [prompts[0].ids], SamplingParams(max_new_tokens=4))
+    for t in (target, vanilla_target):  # a report chose before its sizing; a direct call chooses here
+        if t is not None and 1 in batch_sizes and not t.vanilla_loop_ms:
+            choose_vanilla_loop(t, [p.ids for p in prompts], max_new_tokens / 2, log)
     if include_prompt_lookup:
         candidates = [Candidate("prompt lookup", "chain 10", lambda: PromptLookupProposer(num_draft=10))] + candidates
     warm = SamplingParams(max_new_tokens=4)
@@ -397,6 +448,9 @@ def measure(
                     "our_vanilla_tokens_per_s": vanilla_tps,
                     "hf_generate_tokens_per_s": hf_tps,
                     "vanilla_mean_answer_tokens": v["tokens"] / n_prompts,
+                    # at batch 1: which of our two vanilla loops ran, and what their one-token forwards cost
+                    "vanilla_loop": target.vanilla_loop if bs == 1 else "masked",
+                    "vanilla_loop_ms": target.vanilla_loop_ms if bs == 1 else {},
                     "prompts": n_prompts,
                     "max_new_tokens": max_new_tokens,
                     # where vanilla's time goes: the forward per step, sampling and bookkeeping per step, prefill
@@ -610,6 +664,13 @@ def precision_words(rows: list[dict], precision: dict | None) -> str:
     words += f"baseline (the fastest of our loop and HF generate) ran in {', '.join(vanilla)}"
     if vanilla != served:
         words += " (speculation runs in another dtype than the fastest vanilla: identity is judged in the served dtype)"
+    loop = next((r for r in rows if r["batch_size"] == 1 and r["vanilla_loop_ms"]), None)
+    if loop is not None:
+        ms = loop["vanilla_loop_ms"]
+        words += (
+            f"; at batch 1 our vanilla ran its {loop['vanilla_loop']} loop, timed faster here in {_short(loop['dtype'])}"
+            f" (one-token forward: {', '.join(f'{name} {t:.1f} ms' for name, t in ms.items())})"
+        )
     if precision:
         how = {"user": "set by the user", "cached": "the precision policy, measured earlier on this machine"}
         words += f". Chosen by {how.get(precision['source'], 'the precision policy, ' + precision['source'])}: "

@@ -40,6 +40,7 @@ from eval.cost_curve import (
 from eval.measure import (
     Candidate,
     MeasuredPrompt,
+    choose_vanilla_loop,
     measure,
     prepare_target,
     quiet_routing,
@@ -304,8 +305,12 @@ def run_report(
         f"T {cfg.temperatures}, bs {cfg.batch_sizes}"
     )
     eos = stop_ids(tokenizer, target.model)
-    prepare_target(target, log)  # before sizing: the cost curve must see the kernels the measurement uses
     ids = [p.ids for p in prompts]
+    for t in (target, vanilla_target):  # before sizing: its cost curve must see what the measurement will run
+        if t is not None:
+            prepare_target(t, log)  # the routed kernels
+            if 1 in cfg.batch_sizes:
+                choose_vanilla_loop(t, ids, cfg.max_new_tokens / 2, log)  # and the batch-1 vanilla loop
     tree_sizing = None
     if cfg.chain_from_cost_curve and cfg.tree_total_tokens:
         cfg, tree_sizing = _sized_tree(target, drafters, cfg, ids, eos, log, vanilla_target)

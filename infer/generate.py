@@ -244,11 +244,13 @@ def generate_vanilla(
 ) -> GenerationResult:
     """KV-cached autoregressive decoding: the baseline of every speedup.
 
-    Batch 1 takes a dedicated minimal loop; batches use the shared left-padded slot layout with a 4D
-    mask so rows never see each other's padding.
+    Batches use the shared left-padded slot layout with a 4D mask so rows never see each other's padding. Batch 1
+    takes the loop ``target.vanilla_loop`` names: "plain" (`_vanilla_single`, no mask) or "masked" (the batched loop
+    on one row), whichever `eval.measure.choose_vanilla_loop` timed faster here. Neither wins everywhere: plain was
+    faster in fp32 on an AVX2 EPYC, masked in bf16 on an AVX-512-BF16 one (docs/decisions.md).
     """
     state = DecodeState(prompts, params, eos_ids, target.device)
-    if len(prompts) == 1:
+    if len(prompts) == 1 and target.vanilla_loop == "plain":
         return _vanilla_single(target, prompts[0], params, state.stop_ids)
     stats = GenerationStats(tree_nodes=1)
     t0 = clock(target.device)
@@ -267,18 +269,11 @@ def _vanilla_step(
     """One batched vanilla forward over every active row's root; emits a token per row, drops the rows that
     finished and returns their row ids."""
     tv = clock(target.device)
-    allowed = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)[:, None, :]
-    logits = target.model(
-        input_ids=state.roots[:, None],
-        attention_mask=additive_mask(allowed, target.dtype),
-        position_ids=state.lengths[:, None],
-        cache=state.cache,
-        use_cache=True,
-    ).logits[:, -1]
+    logits = _masked_forward(target, state)
     stats.verify_s += clock(target.device) - tv
     tb = clock(target.device)
     nxt = _next_token(logits, params, gen)
-    state.kv_valid = torch.cat([state.kv_valid, torch.ones_like(state.kv_valid[:, :1])], 1)
+    state.kv_valid = _with_root_slot(state.kv_valid)
     stats.rounds += 1
     stats.row_forwards += len(state.active)
     finished = [state.emit(i, [t]) for i, t in enumerate(nxt.tolist())]
@@ -287,6 +282,56 @@ def _vanilla_step(
     state.drop_finished(finished)
     stats.bookkeeping_s += clock(target.device) - tb
     return done
+
+
+def _with_root_slot(kv_valid: torch.Tensor) -> torch.Tensor:
+    """[B, S] → [B, S + 1]: the slots plus the root's, valid (``ones_like(kv_valid[:, :1])`` would add no column to
+    the empty cache of one-token prompts)."""
+    return torch.cat([kv_valid, kv_valid.new_ones(kv_valid.shape[0], 1)], 1)
+
+
+def _masked_forward(target: TargetModel, state: DecodeState) -> torch.Tensor:
+    """Logits [B, V] of every active row's root, one token a row, in the slot layout (the cache grows by one slot)."""
+    allowed = _with_root_slot(state.kv_valid)[:, None, :]
+    return target.model(
+        input_ids=state.roots[:, None],
+        attention_mask=additive_mask(allowed, target.dtype),
+        position_ids=state.lengths[:, None],
+        cache=state.cache,
+        use_cache=True,
+    ).logits[:, -1]
+
+
+VANILLA_LOOPS = ("plain", "masked")
+"""The batch-1 vanilla loops (`generate_vanilla`)."""
+
+
+@torch.inference_mode()
+def vanilla_steps(target: TargetModel, context: list[int]) -> dict[str, Callable[[], None]]:
+    """For timing: each batch-1 vanilla loop's one-token forward after ``context`` (prefilled here), as a call that
+    cuts its cache back, so every call sees the same context. Sampling is left out: both loops sample alike."""
+    if len(context) < 2:
+        raise ValueError("vanilla_steps needs a context of at least 2 tokens (one to prefill, one to decode)")
+    device = target.device
+    plain = SlackCache()
+    target.model(input_ids=torch.tensor([context[:-1]], device=device), cache=plain, use_cache=True)
+    x = torch.tensor([[context[-1]]], device=device)
+    state = DecodeState([context], SamplingParams(max_new_tokens=1), (), device)
+    prefill(target, state)
+    slots = state.kv_valid.shape[1]
+
+    @torch.inference_mode()
+    def plain_step() -> None:
+        target.model(input_ids=x, cache=plain, use_cache=True)
+        plain.crop(-1)  # transformers 5: a negative count removes that many tokens
+
+    @torch.inference_mode()
+    def masked_step() -> None:
+        _masked_forward(target, state)
+        for layer in state.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :slots], layer.values[:, :, :slots]
+
+    return {"plain": plain_step, "masked": masked_step}
 
 
 def decode_continuous(

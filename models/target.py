@@ -280,6 +280,10 @@ class TargetModel(nn.Module):
         )
         self.name_or_path = name_or_path or model.config.name_or_path
         self._aux_layer_ids = list(aux_layer_ids)
+        self.vanilla_loop = "plain"
+        """The batch-1 vanilla loop (`infer.generate.generate_vanilla`): "plain" or "masked"."""
+        self.vanilla_loop_ms: dict[str, float] = {}
+        """What `eval.measure.choose_vanilla_loop` timed for that choice (ms by loop; empty until it runs)."""
 
         if mode == "frozen":
             model.requires_grad_(False)

@@ -33,10 +33,30 @@ def test_vanilla_matches_hf_generate(tiny_target):
         assert res.stats.tau == 1.0
 
 
+@pytest.mark.parametrize("loop", ["plain", "masked"])
+def test_both_batch1_vanilla_loops_match_hf_generate(tiny_target, loop, monkeypatch):
+    """Batch-1 vanilla runs whichever loop was timed faster on the machine (`eval.measure.choose_vanilla_loop`):
+    each must decode what HF generate does, with τ 1.00."""
+    import infer.generate as generate
+
+    monkeypatch.setattr(tiny_target, "vanilla_loop", loop)
+    if loop == "masked":  # the masked choice must not fall back to the plain loop
+        monkeypatch.setattr(generate, "_vanilla_single", lambda *a: pytest.fail("the plain loop ran"))
+    for p in PROMPTS:
+        res = generate_vanilla(tiny_target, [p], GREEDY)
+        assert res.tokens[0] == hf_greedy(tiny_target.model, p, GREEDY.max_new_tokens)
+        assert res.stats.tau == 1.0 and res.stats.rounds == GREEDY.max_new_tokens
+
+
 def test_vanilla_batch_equals_single_rows(tiny_target):
     singles = [generate_vanilla(tiny_target, [p], GREEDY).tokens[0] for p in PROMPTS]
     batch = generate_vanilla(tiny_target, PROMPTS, GREEDY).tokens
     assert batch == singles
+    # a batch of one-token prompts has an empty cache at the first step (it once built a mask without the root)
+    ones = [[9], [10]]
+    assert generate_vanilla(tiny_target, ones, GREEDY).tokens == [
+        generate_vanilla(tiny_target, [p], GREEDY).tokens[0] for p in ones
+    ]
 
 
 PROPOSERS = {
@@ -154,8 +174,8 @@ def test_cost_curve_times_every_size_at_a_fixed_context(tiny_target):
     context = PROMPTS[2]
     costs = verify_costs(tiny_target, context, (1, 3, 8), reps=2, aux=True)
     assert sorted(costs) == [1, 3, 8] and all(c > 0 for c in costs.values())
-    assert vanilla_step_cost(tiny_target.model, context, reps=2) > 0
-    # the sizing's curve: the same verify sizes with vanilla's plain step timed in turn beside them
+    assert all(vanilla_step_cost(tiny_target, context, 2, loop) > 0 for loop in ("plain", "masked"))
+    # the sizing's curve: the same verify sizes with vanilla's own step timed in turn beside them
     curve, vanilla = step_costs(tiny_target, context, (1, 2), reps=2, aux=False)
     assert sorted(curve) == [1, 2] and vanilla > 0
 

@@ -169,4 +169,47 @@ def test_sizing_predicts_against_the_faster_vanilla_of_the_two_dtypes(tiny_targe
     other = dtype_copy(tiny_target, torch.bfloat16, lambda m: None)
     assert _fastest_vanilla(1e-12, other, PROMPTS[0]) == 1e-12  # the served step was faster
     assert _fastest_vanilla(60.0, other, PROMPTS[0]) < 60.0  # the other dtype's step (milliseconds) was
-    assert _fastest_vanilla(60.0, None, PROMPTS[0]) == 60.0 and vanilla_step_cost(other.model, PROMPTS[0], 2) > 0
+    assert _fastest_vanilla(60.0, None, PROMPTS[0]) == 60.0 and vanilla_step_cost(other, PROMPTS[0], 2) > 0
+
+
+def test_batch1_vanilla_takes_the_loop_timed_faster_and_a_dtype_copy_chooses_anew(tiny_target, monkeypatch):
+    """`choose_vanilla_loop` times both batch-1 loops' one-token forwards and keeps the faster; the sizing's vanilla
+    step is then that loop's. Simulated: a stand-in makes one loop 20 ms slower, each way round."""
+    import time
+
+    import eval.cost_curve as cost_curve
+    import eval.measure as measure_mod
+    from eval.cost_curve import step_costs
+    from eval.measure import choose_vanilla_loop, dtype_copy
+
+    monkeypatch.setattr(tiny_target, "vanilla_loop", "plain")
+    monkeypatch.setattr(tiny_target, "vanilla_loop_ms", {})
+    real = measure_mod.vanilla_steps
+    for slow, fast in (("plain", "masked"), ("masked", "plain")):
+
+        def steps(target, context, slow=slow):
+            got = real(target, context)
+            step = got[slow]
+            got[slow] = lambda: (time.sleep(0.02), step())
+            return got
+
+        monkeypatch.setattr(measure_mod, "vanilla_steps", steps)
+        monkeypatch.setattr(cost_curve, "vanilla_steps", steps)
+        ms = choose_vanilla_loop(tiny_target, PROMPTS, 8, lambda m: None)
+        assert tiny_target.vanilla_loop == fast and ms[slow] > 20 > ms[fast] and tiny_target.vanilla_loop_ms == ms
+        _, vanilla = step_costs(tiny_target, PROMPTS[0], (1, 2), reps=2, aux=False)
+        assert vanilla < 0.02  # the chosen (fast) loop's step, not the slow one's
+    copy = dtype_copy(tiny_target, torch.bfloat16, lambda m: None)
+    assert copy.vanilla_loop == "plain" and copy.vanilla_loop_ms == {}  # timed in fp32: not a bf16 choice
+
+
+def test_a_direct_measure_call_chooses_the_batch1_loop_and_rows_name_it(tiny_target, tiny_draft, monkeypatch):
+    monkeypatch.setattr(tiny_target, "vanilla_loop_ms", {})
+    monkeypatch.setattr(tiny_target, "vanilla_loop", "plain")
+    prompts = [MeasuredPrompt(p) for p in PROMPTS[:2]]
+    make = lambda: DraftModelProposer(tiny_draft, k=2)  # noqa: E731
+    rows = measure(
+        tiny_target, [Candidate("draft", "chain 2", make)], prompts, (), max_new_tokens=8, log=lambda m: None
+    )
+    assert set(tiny_target.vanilla_loop_ms) == {"plain", "masked"}
+    assert all(r["vanilla_loop"] == tiny_target.vanilla_loop and r["vanilla_loop_ms"] for r in rows)

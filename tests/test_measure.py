@@ -213,3 +213,28 @@ def test_a_direct_measure_call_chooses_the_batch1_loop_and_rows_name_it(tiny_tar
     )
     assert set(tiny_target.vanilla_loop_ms) == {"plain", "masked"}
     assert all(r["vanilla_loop"] == tiny_target.vanilla_loop and r["vanilla_loop_ms"] for r in rows)
+
+
+def test_the_vanilla_check_times_the_loop_in_turn_with_its_bare_forward_and_flags_overhead(tiny_target, monkeypatch):
+    """The loop side of the check is run then and there (not the measured run's mean, which carries the host's load):
+    a loop that spends 30 ms a step beyond its forward is reported as not at its best."""
+    import eval.cost_curve as cost_curve
+    from eval.cost_curve import CHECK_TOKENS, vanilla_check
+
+    row = {
+        "vanilla_mean_answer_tokens": 20.0,
+        "vanilla_ms": {"forward": 5.0, "bookkeeping": 0.5, "prefill_total": 10.0, "total": 200.0},
+    }
+    real = cost_curve.generate_vanilla
+
+    def slow_loop(*args):
+        res = real(*args)
+        res.stats.bookkeeping_s += 0.03 * res.stats.rounds
+        return res
+
+    monkeypatch.setattr(cost_curve, "generate_vanilla", slow_loop)
+    check = vanilla_check(tiny_target, PROMPTS, row, reps=3)
+    assert not check["loop_within_noise"] and check["loop_step_ms"] > 30 > check["bare_forward_ms"]
+    assert "overhead (the loop is not at its best)" in check["summary"] and f"{CHECK_TOKENS} tokens" in check["summary"]
+    assert set(check["forward_ms_by_loop"]) == {"plain", "masked"} and check["measured_step_ms"] == 5.5
+    assert sorted(check["verify_ms"]) == [1, 2, 3, 4, 6, 8]

@@ -63,7 +63,10 @@ class LeaderboardConfig:
     """The small draft-model baseline (a distilled folder, or "cut": the target's first layers, labelled)."""
     hf_assisted: bool = True
     """HF's assisted generation at batch 1 (prompt lookup, assistant model) beside ours."""
-    hybrid_lookup: int = 8
+    hybrid_lookup: int = 10
+    """The hybrid row's lookup chain (eval.report.ReportConfig.hybrid_lookup; 0 leaves the row out)."""
+    hybrid_alone_match: int = 3
+    """Lookup verified alone on matches this long (eval.report.ReportConfig.hybrid_alone_match; 0: never)."""
     fp32_certificate: bool = True
     budget_min: float = 45.0
     """No new cell starts after this many minutes (finished cells are kept; a rerun does the rest)."""
@@ -131,6 +134,7 @@ def report_config(cfg: LeaderboardConfig, cell: Cell):
         draft_model=cfg.draft_model,
         hf_assisted=cfg.hf_assisted and cell.batch_size == 1,
         hybrid_lookup=cfg.hybrid_lookup,
+        hybrid_alone_match=cfg.hybrid_alone_match,
         fp32_certificate=cfg.fp32_certificate,
     )
 

@@ -126,9 +126,12 @@ class ReportConfig:
     hf_assisted: bool = False
     """Also time HF's own assisted generation at batch 1, the outside peer: ``prompt_lookup_num_tokens=10`` and, when
     the report has a draft model, ``assistant_model`` (rows without τ: HF reports no rounds)."""
-    hybrid_lookup: int = 8
+    hybrid_lookup: int = 10
     """The hybrid row (infer/hybrid.py): the drafter's last setting (its tree where it has one) with prompt lookup's
     chain of up to this many tokens merged into each verify; 0 leaves the row out."""
+    hybrid_alone_match: int = 3
+    """The hybrid's steps where every row's lookup match is at least this many tokens verify the lookup chain alone,
+    without running the drafter (infer/hybrid.py; 0: never)."""
     compare: list[str] = field(default_factory=list)
     """Other drafter checkpoints (any family) measured in the same run, e.g. the shipped EAGLE-3 beside Medusa."""
     batch_sizes: list[int] = field(default_factory=lambda: [1])
@@ -157,8 +160,8 @@ class ReportConfig:
             raise ValueError("chain_k must be >= 0 and tree_total_tokens 0 or >= 2")
         if self.chain_k == 0 and self.tree_total_tokens == 0:
             raise ValueError("the report needs a chain (chain_k > 0) or a tree (tree_total_tokens > 0)")
-        if self.mtp_top_k < 1 or self.hybrid_lookup < 0:
-            raise ValueError("mtp_top_k must be >= 1 and hybrid_lookup >= 0")
+        if self.mtp_top_k < 1 or self.hybrid_lookup < 0 or not 0 <= self.hybrid_alone_match <= 3:
+            raise ValueError("mtp_top_k must be >= 1, hybrid_lookup >= 0 and hybrid_alone_match in 0..3")
         if any(b < 1 for b in self.batch_sizes) or any(t < 0 for t in self.temperatures):
             raise ValueError("batch sizes must be >= 1 and temperatures >= 0")
 
@@ -236,13 +239,14 @@ def candidates(
             learned = settings[-1]  # the tree, where the family has one: lookup nodes join a tree best
             n = cfg.hybrid_lookup
 
-            def make(learned=learned, n=n) -> Proposer:
-                # no cap beyond the sized setting's own: the union holds at most its nodes plus n
-                return HybridProposer(learned.make(), num_draft=n, budget=1 << 10)
+            alone = cfg.hybrid_alone_match
 
-            out.append(
-                Candidate(f"{fam.method} + prompt lookup", f"{learned.setting} + lookup {n}", make, learned.spec)
-            )
+            def make(learned=learned, n=n, alone=alone) -> Proposer:
+                # no cap beyond the sized setting's own: the union holds at most its nodes plus n
+                return HybridProposer(learned.make(), num_draft=n, budget=1 << 10, alone_match=alone)
+
+            setting = f"{learned.setting} + lookup {n}" + (f", alone at {alone}-gram matches" if alone else "")
+            out.append(Candidate(f"{fam.method} + prompt lookup", setting, make, learned.spec))
     draft, how = baseline_draft_model(cfg, target, log)
     if draft is not None:
         draft = draft.to(next(drafters[0].parameters()).device).eval()

@@ -370,7 +370,7 @@ def test_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp_path, 
         ]
     )
     rows = json.loads((out / "report.json").read_text())["results"]
-    assert [r["setting"] for r in rows] == ["chain 10", "chain 2", "chain 2 + lookup 8"]
+    assert [r["setting"] for r in rows] == ["chain 10", "chain 2", "chain 2 + lookup 10, alone at 3-gram matches"]
     assert rows[1]["greedy_identical"] == rows[2]["greedy_identical"] == 1.0
 
 

@@ -141,7 +141,10 @@ def test_a_fourth_family_declared_in_a_test_is_loaded_and_reported_like_the_ship
     assert {(r["proposer"], r["setting"]) for r in rows} == {
         ("prompt lookup", "chain 10"),
         ("toy-echo", "chain 3"),
-        ("toy-echo + prompt lookup", "chain 3 + lookup 8"),  # the hybrid row wraps the first drafter
+        (
+            "toy-echo + prompt lookup",
+            "chain 3 + lookup 10, alone at 3-gram matches",
+        ),  # the hybrid row wraps the first drafter
         ("eagle3", "chain 3"),
     }
     echo = next(r for r in rows if r["proposer"] == "toy-echo")
@@ -250,5 +253,5 @@ def test_drafters_report_measures_any_checkpoint_without_a_recipe(tiny_chat, tmp
     assert [(r["proposer"], r["setting"]) for r in report["results"]] == [
         ("prompt lookup", "chain 10"),
         ("mtp", "chain 1"),
-        ("mtp + prompt lookup", "chain 1 + lookup 8"),
+        ("mtp + prompt lookup", "chain 1 + lookup 10, alone at 3-gram matches"),
     ]

@@ -47,7 +47,7 @@ def test_the_step_merges_lookup_by_match_strength():
     assert rows[0] == [(6, -1), (90, 0), (91, 0), (7, 0), (8, 3), (9, 4), (5, 5)]
     assert rows[1] == [(1, -1), (90, 0), (91, 0), (2, 0)]
     assert rows[2] == [(3, -1), (90, 0), (91, 0)]
-    assert hybrid.steps == {"strong": 1, "weak": 1, "none": 1}
+    assert hybrid.steps == {"strong": 1, "weak": 1, "none": 1, "lookup alone": 0}
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -81,3 +81,40 @@ def test_hybrid_with_a_sampled_chain_verifies_one_source_per_row(tiny_target, ti
     assert lookup_row == [7, 8, 5, 6]  # "5 6" matched: its continuation, one-hot
     assert all(float(tree.draft_probs[0, i, t]) == 1.0 for i, t in enumerate(lookup_row))
     assert torch.allclose(tree.draft_probs[1, :3].sum(-1), torch.ones(3))  # the sampled chain keeps its q
+
+
+class Counting(DraftModelProposer):
+    """A draft-model proposer that counts its proposes (to see which steps skipped it)."""
+
+    calls = 0
+
+    def propose(self, contexts, params, generator):
+        Counting.calls += 1
+        return super().propose(contexts, params, generator)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_long_match_verifies_lookup_alone_and_the_drafter_catches_up_after(tiny_target, tiny_draft, temperature):
+    """Steps where every row's match reaches ``alone_match`` skip the learned drafter; it feeds what it missed at its
+    next step, so greedy output stays the target's and sampling stays reproducible."""
+    params = SamplingParams(temperature=temperature, max_new_tokens=24, seed=5)
+    steps = {"lookup alone": 0, "other": 0}
+    for p in PROMPTS:  # one row a call: at a batch every row must match for a step to skip the drafter
+        hybrid = HybridProposer(Counting(tiny_draft, k=3), num_draft=4, alone_match=2)
+        Counting.calls = 0
+        res = generate_speculative(tiny_target, hybrid, [p], params)
+        assert Counting.calls == res.stats.rounds - hybrid.steps["lookup alone"]  # the drafter ran on the others
+        steps["lookup alone"] += hybrid.steps["lookup alone"]
+        steps["other"] += Counting.calls
+        if temperature == 0.0:
+            assert res.tokens == generate_vanilla(tiny_target, [p], GREEDY).tokens
+        else:
+            again = HybridProposer(Counting(tiny_draft, k=3), num_draft=4, alone_match=2)
+            assert generate_speculative(tiny_target, again, [p], params).tokens == res.tokens
+    assert steps["lookup alone"] > 0 and steps["other"] > 0  # both kinds of step, so the drafter caught up
+    tree = HybridProposer(Fixed(), num_draft=4, alone_match=2).propose(
+        [[5, 6, 7, 8, 9, 5, 6]], SamplingParams(), torch.Generator()
+    )
+    assert tree.tokens[0].tolist() == [6, 7, 8, 9, 5] and tree.parents[0].tolist() == [-1, 0, 1, 2, 3]
+    with pytest.raises(ValueError, match="max_ngram"):
+        HybridProposer(Fixed(), alone_match=4, max_ngram=3)

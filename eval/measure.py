@@ -672,7 +672,7 @@ def precision_words(rows: list[dict], precision: dict | None) -> str:
             f" (one-token forward: {', '.join(f'{name} {t:.1f} ms' for name, t in ms.items())})"
         )
     if precision:
-        how = {"user": "set by the user", "cached": "the precision policy, measured earlier on this machine"}
+        how = {"user": "the user", "cached": "the precision policy, measured earlier on this machine"}
         words += f". Chosen by {how.get(precision['source'], 'the precision policy, ' + precision['source'])}: "
         words += precision["reason"]
     return words + "."

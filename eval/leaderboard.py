@@ -68,6 +68,9 @@ class LeaderboardConfig:
     hybrid_alone_match: int = 3
     """Lookup verified alone on matches this long (eval.report.ReportConfig.hybrid_alone_match; 0: never)."""
     fp32_certificate: bool = True
+    reuse_other_machines: bool = False
+    """Reuse finished cells measured on another kind of machine (another CPU model or instruction set): off, such a
+    cell is measured again, since a speedup is a property of the machine; on, the board names each cell's machine."""
     budget_min: float = 45.0
     """No new cell starts after this many minutes (finished cells are kept; a rerun does the rest)."""
     out: str = "outputs/leaderboard"
@@ -144,9 +147,25 @@ def _fingerprint(cfg: LeaderboardConfig, cell: Cell) -> dict:
     return {"report": asdict(report_config(cfg, cell)), "drafters": cfg.drafters, "target": cfg.target}
 
 
-def run_cells(cfg: LeaderboardConfig, run_cell, log=print) -> list[dict]:
+def machine_key(machine: dict) -> tuple:
+    """What makes two machines the same kind for a speedup: device, CPU model, the flags that matter, threads."""
+    return (machine.get("device"), machine.get("name"), tuple(machine.get("flags") or ()), machine.get("threads"))
+
+
+def _cell_machine(folder: Path) -> dict | None:
+    """The machine a finished cell's report was measured on (its report.json's ``machine``)."""
+    machine = json.loads((folder / "report.json").read_text()).get("machine")
+    return machine if isinstance(machine, dict) else None
+
+
+def run_cells(cfg: LeaderboardConfig, run_cell, log=print, here: dict | None = None) -> list[dict]:
     """Every cell, resumable: ``run_cell(cell, folder) -> rows`` measures one; returns one status per cell
-    (``done`` / ``reused`` / ``failed`` with the error / ``not run`` past the budget)."""
+    (``done`` / ``reused`` / ``failed`` with the error / ``not run`` past the budget). ``here``: this machine
+    (`models.precision.machine().as_dict()`); a cell measured on another kind is reused only with
+    ``reuse_other_machines``."""
+    from models.precision import machine
+
+    here = here or machine().as_dict()
     out = Path(cfg.out)
     statuses, t0 = [], time.time()
     cells = cells_of(cfg)
@@ -163,8 +182,11 @@ def run_cells(cfg: LeaderboardConfig, run_cell, log=print) -> list[dict]:
             "sweep": list(cell.sweep),
         }
         if (folder / "report.json").exists() and stamp.exists() and json.loads(stamp.read_text()) == fingerprint:
-            statuses.append(entry | {"status": "reused"})
-            continue
+            there = _cell_machine(folder)
+            if there is None or machine_key(there) == machine_key(here) or cfg.reuse_other_machines:
+                statuses.append(entry | {"status": "reused"})
+                continue
+            log(f"leaderboard: cell {cell.key} was measured on {there.get('words')}, not this machine: measuring again")
         if (time.time() - t0) / 60 > cfg.budget_min:
             statuses.append(entry | {"status": "not run", "why": f"past the {cfg.budget_min:g}-minute budget"})
             continue
@@ -192,13 +214,24 @@ def collect(cfg: LeaderboardConfig, statuses: list[dict]) -> dict:
         path = out / "cells" / st["cell"] / "report.json"
         if st["status"] in ("done", "reused") and path.exists():
             report = json.loads(path.read_text())
-            head = head or {k: report.get(k) for k in ("target", "machine", "precision")}
-            if isinstance(head.get("machine"), dict):  # the report's machine dict: the plots and tables say its words
-                head["machine"] = head["machine"].get("words", str(head["machine"]))
+            head = head or {k: report.get(k) for k in ("target", "precision")}
+            m = report.get("machine")
+            st["machine"] = m.get("words", str(m)) if isinstance(m, dict) else m  # the tables and plots say words
             for r in report["results"]:
                 rows.append(r | {"cell": st["cell"], "source": st["source"], "sweep": bool(st.get("sweep"))})
-    return {**head, "created": time.strftime("%Y-%m-%d %H:%M"), "config": asdict(cfg), "cells": statuses,
-            "results": rows}  # fmt: skip
+    return {**head, "machine": machines_words(statuses), "created": time.strftime("%Y-%m-%d %H:%M"),
+            "config": asdict(cfg), "cells": statuses, "results": rows}  # fmt: skip
+
+
+def machines_words(cells: list[dict]) -> str | None:
+    """The board's machine: one in words, or, where cells were measured on different kinds, each with its cells."""
+    by: dict[str, list[str]] = {}
+    for c in cells:
+        if c.get("machine"):
+            by.setdefault(c["machine"], []).append(c["cell"])
+    if len(by) <= 1:
+        return next(iter(by), None)
+    return "; ".join(f"{m} (cells {', '.join(keys)})" for m, keys in by.items())
 
 
 # ------------------------------------------------------------------------------------------ tables
@@ -284,8 +317,9 @@ def _sweep_lines(board: dict) -> list[str]:
     if not sizes:
         return []
     sweep = next(c for c in board["cells"] if c.get("sweep"))
+    on = f" (measured on {sweep['machine']})" if sweep.get("machine") and sweep["machine"] != board.get("machine") else ""
     lines = [
-        f"Batch-aware speculation: T = 0, `{sweep['source']}` prompts cycled to fill each batch; speedup over vanilla "
+        f"Batch-aware speculation{on}: T = 0, `{sweep['source']}` prompts cycled to fill each batch; speedup over vanilla "
         "at the same batch size. The auto row's chain length per batch size was chosen from the cost curve measured "
         "at that batch size (off where it promised less than the margin; `checks.batch_policy` of the cell's report).",
         "",
@@ -376,7 +410,8 @@ def write_plots(board: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    title = f"{Path(str(board.get('target'))).name} on {board.get('machine')}"
+    name = Path(str(board.get("target"))).name
+    title = f"{name} on {machines_words([c for c in board['cells'] if not c.get('sweep')]) or board.get('machine')}"
     plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.get_cmap("tab20").colors)
     rows = _category_rows([r for r in board["results"] if not r.get("sweep")])
     paths = []
@@ -414,6 +449,8 @@ def write_plots(board: dict, out: Path) -> list[Path]:
     # speedup against batch size (overall per method)
     fig, ax = plt.subplots(figsize=(11, 5))
     swept = [r for r in board["results"] if r.get("sweep") and r["category"] == "all"]
+    sweep_cell = next((c for c in board["cells"] if c.get("sweep") and c.get("machine")), None)
+    on = f"{name} on {sweep_cell['machine']}" if swept and sweep_cell else title
     at_t = swept or [r for r in rows if r["temperature"] == first_t]
     for m in sorted({method_of(r) for r in at_t}):
         sizes = sorted({r["batch_size"] for r in at_t if method_of(r) == m})
@@ -422,7 +459,7 @@ def write_plots(board: dict, out: Path) -> list[Path]:
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
     paths.append(_finish(fig, ax, "batch size (rows decoded together)", "speedup over vanilla at that batch size (x)",
-                         f"Speedup against batch size, T = {first_t:g}\n{title}", out / "speedup_by_batch.png"))  # fmt: skip
+                         f"Speedup against batch size, T = {first_t:g}\n{on}", out / "speedup_by_batch.png"))  # fmt: skip
 
     # τ against prompt length (one point per generate call)
     fig, ax = plt.subplots(figsize=(11, 5))

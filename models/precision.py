@@ -68,6 +68,10 @@ DEFAULT_ACCEPTANCE = (0.6, 0.5, 0.45, 0.4, 0.4, 0.4, 0.4)
 """Conditional acceptance per draft depth assumed for serving when the drafter's own is not known yet: about what a
 trained EAGLE-3 reaches on its own data (the shipped one's held-out TTT accuracy is 0.45 / 0.38 / 0.36 / 0.33)."""
 CURVES_VERSION = 1
+STALE = 1.25
+"""A cached curve is re-checked at one size each time it is read (`_stale`): a fresh time this many x off the cached
+one, or an order of the dtypes that flipped, means the cache was written on a busy or just-booted host (seen: fp32
+t(1) 68.6 ms cached minutes after boot, 30.1 ms on the quiet host), so the curves are measured again."""
 LOCK_WAIT_S = 600.0
 """How long a process waits for another one's measurement before taking over (it may have died)."""
 
@@ -152,8 +156,8 @@ class PrecisionChoice:
     dtype: str
     """"float32" or "bfloat16" (for ``train``: the autocast dtype; "float32" means no autocast)."""
     source: str
-    """"user" (an explicit setting), "measured", "cached" (measured before on this machine), "forced"
-    ($DRAFTERS_CPU_BF16) or "cuda"."""
+    """"user" (an explicit setting), "measured", "cached" (measured before on this machine, re-checked at one size),
+    "measured again (the cache was stale: …)", "forced" ($DRAFTERS_CPU_BF16) or "cuda"."""
     reason: str
     vanilla_dtype: str | None = None
     """``serve``: the dtype of the fastest vanilla step, the baseline of every speedup (may differ from ``dtype``)."""
@@ -320,7 +324,16 @@ def choose(
         path = _cache_path(workload, config, where, cache_dir)
         if refresh:
             path.unlink(missing_ok=True)
-        found, source = _measure_once(path, lambda: measure_curves(workload, config, ["float32", "bfloat16"], prepare))
+        dtypes = ["float32", "bfloat16"]
+        found, source = _measure_once(path, lambda: measure_curves(workload, config, dtypes, prepare))
+        if source == "cached":
+            key = CHECK_KEY[workload]
+            fresh = {d: curve_timer(workload, config, prepare)(d, key) for d in dtypes if key in found.get(d, {})}
+            stale = _stale(found, fresh, key)
+            if stale:
+                path.unlink(missing_ok=True)
+                found, _ = _measure_once(path, lambda: measure_curves(workload, config, dtypes, prepare))
+                source = f"measured again (the cache was stale: {stale})"
     curves, skipped = _complete(found)
     dtype, vanilla, reason = decide(workload, curves, acceptance, skipped)
     return PrecisionChoice(workload, dtype, source, reason, vanilla, found, where.as_dict())
@@ -439,10 +452,35 @@ def _train_ms(model: nn.Module, dtype: torch.dtype, vocab: int) -> float:
     return _best_ms(step, reps=3)
 
 
+CHECK_KEY = {"serve": 1, "distill": DISTILL_BATCH, "train": 0}
+"""The size a cached curve is re-timed at when it is read: the one-token step that vanilla decoding runs (serve),
+the answerer's batch step (distill), the training step (train)."""
+
+
+def _stale(cached: dict[str, dict[int, float]], fresh: dict[str, float], key: int) -> str:
+    """Why ``cached`` no longer describes this host at ``key`` ("" while it does): a dtype's fresh time is ``STALE``
+    x off the cached one, or the fastest dtype there changed."""
+    what = "the training step" if key == 0 else f"t({key})"
+    for d, ms in fresh.items():
+        old = cached[d][key]
+        if not 1 / STALE <= ms / old <= STALE:
+            return f"{d} {what} {old:.1f} ms cached, {ms:.1f} ms now"
+    if len(fresh) > 1 and min(fresh, key=fresh.get) != min(fresh, key=lambda d: cached[d][key]):
+        return f"the fastest dtype at {what} is now {min(fresh, key=fresh.get)}"
+    return ""
+
+
 def measure_curves(
     workload: str, config, dtypes: Sequence[str], prepare: Callable[[nn.Module], object] | None = None
 ) -> dict[str, dict[int, float]]:
-    """dtype → key → ms of ``workload`` for a full target of ``config`` (`_race`), from probes with 1 and
+    """dtype → key → ms of ``workload`` for a full target of ``config`` (`_race`)."""
+    return _race(workload, dtypes, curve_timer(workload, config, prepare))
+
+
+def curve_timer(
+    workload: str, config, prepare: Callable[[nn.Module], object] | None = None
+) -> Callable[[str, int], float]:
+    """``time_one(dtype, key) -> ms`` of ``workload`` for a full target of ``config``, from probes with 1 and
     ``PROBE_LAYERS`` layers: a full forward is ``t1 + (L - 1)(tn - t1) / (n - 1)``."""
     text = config.get_text_config()
     layers, vocab = text.num_hidden_layers, text.vocab_size
@@ -468,7 +506,7 @@ def measure_curves(
         batch, rows = (DISTILL_BATCH, 1) if workload == "distill" else (1, key)
         return full(name, lambda p: _decode_ms(p, rows, batch, vocab))
 
-    return _race(workload, dtypes, time_one)
+    return time_one
 
 
 @torch.no_grad()

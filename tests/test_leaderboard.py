@@ -151,3 +151,36 @@ def test_the_readme_table_is_the_shipped_leaderboard_s():
     block = text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
     assert block == readme_table(board)
     assert board["results"] and all(c["status"] in ("done", "reused") for c in board["cells"])
+
+
+def test_a_cell_from_another_kind_of_machine_is_measured_again_unless_reuse_is_asked(tmp_path):
+    from eval.leaderboard import collect, machines_words, run_cells
+
+    here = {"device": "cpu", "name": "EPYC", "flags": ["avx2"], "threads": 2, "words": "EPYC (avx2), 2 threads"}
+    there = here | {"flags": ["avx2", "avx512_bf16"], "words": "EPYC (avx2, avx512_bf16), 2 threads"}
+    cfg = LeaderboardConfig(categories=["chat", "code"], batch_sweep=[], out=str(tmp_path))
+    measured = []
+
+    def run_cell(cell, folder, machine=here):
+        measured.append(cell.key)
+        (folder / "report.json").write_text(json.dumps({"target": "t", "machine": machine, "results": []}))
+
+    run_cells(cfg, run_cell, here=here)
+    assert measured == ["chat__T0__bs1", "code__T0__bs1"]
+    measured.clear()
+    run_cells(cfg, run_cell, here=here)
+    assert measured == []  # same settings, same machine: reused
+    measured.clear()
+    statuses = run_cells(cfg, lambda c, f: run_cell(c, f, there), here=there)
+    assert measured == ["chat__T0__bs1", "code__T0__bs1"]  # another kind: measured again, there
+    # code measured here again; chat kept from the other machine on request, and the board names both
+    cfg.reuse_other_machines = True
+    measured.clear()
+    (tmp_path / "cells" / "code__T0__bs1" / "report.json").unlink()
+    statuses = run_cells(cfg, run_cell, here=here)
+    assert measured == ["code__T0__bs1"] and [s["status"] for s in statuses] == ["reused", "done"]
+    board = collect(cfg, statuses)
+    assert board["machine"] == (
+        "EPYC (avx2, avx512_bf16), 2 threads (cells chat__T0__bs1); EPYC (avx2), 2 threads (cells code__T0__bs1)"
+    )
+    assert machines_words([{"cell": "a", "machine": "m"}, {"cell": "b", "machine": "m"}]) == "m"

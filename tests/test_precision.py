@@ -170,7 +170,7 @@ def test_the_quick_matmul_test_is_decided_by_its_timing(measured):
     assert not cpu_bf16_is_fast(timer=slow.get)
 
 
-def test_a_real_measurement_is_cached_per_machine_and_target(measured, tmp_path):
+def test_a_real_measurement_is_cached_per_machine_and_target(measured, tmp_path, monkeypatch):
     """The probe of a tiny Llama's shapes is timed once; the second ask reads the cache, --refresh measures again;
     a lock left by a process that died does not block the next one for ever."""
     import models.precision as precision
@@ -179,8 +179,13 @@ def test_a_real_measurement_is_cached_per_machine_and_target(measured, tmp_path)
     first = choose("serve", config, cache_dir=tmp_path)
     assert first.source == "measured" and set(first.curves["float32"]) == {PREFILL, *precision.SERVE_ROWS}
     assert all(ms > 0 for ms in first.curves["float32"].values())
+    real_timer = precision.curve_timer
+    # the re-check of a cached curve at t(1) is timed; a tiny model's sub-ms forward is too noisy to assert on, so
+    # the re-check here reads the first measurement's own times (the stale case has its own test)
+    monkeypatch.setattr(precision, "curve_timer", lambda *a, **k: lambda d, key: first.curves[d][key])
     again = choose("serve", config, cache_dir=tmp_path)
     assert again.source == "cached" and again.curves == first.curves
+    monkeypatch.setattr(precision, "curve_timer", real_timer)
     other = tiny_llama(layers=3).config  # another target shape: its own entry
     assert choose("serve", other, cache_dir=tmp_path).source != "cached"
     assert choose("serve", config, cache_dir=tmp_path, refresh=True).source != "cached"
@@ -278,3 +283,27 @@ def test_the_dtype_curves_benchmark_prints_and_writes_what_it_timed(tmp_path, ca
         ms > 0 for curve in result["forward_ms"].values() for ms in curve.values()
     )
     assert result["gemm_gflops"]["float32"][512] > 0 and "bfloat16 forward after 16 tokens" in capsys.readouterr().out
+
+
+def test_a_stale_cached_curve_is_measured_again(tmp_path, monkeypatch):
+    """Curves cached on a busy or just-booted host: the one-size re-check at read time finds them off by more than
+    STALE (or the dtypes' order flipped) and measures again; within STALE the cache stands."""
+    import models.precision as precision
+
+    monkeypatch.delenv(precision.CPU_BF16_ENV, raising=False)
+    config = tiny_llama(layers=3).config
+    host = {"float32": 30.0, "bfloat16": 40.0}  # ms per step at every size, what this host measures now
+    monkeypatch.setattr(precision, "curve_timer", lambda *a, **k: lambda d, key: host[d] * (1 + key / 100))
+    boot = {"float32": {k: 68.6 for k in (PREFILL, *precision.SERVE_ROWS)},
+            "bfloat16": {k: 62.6 for k in (PREFILL, *precision.SERVE_ROWS)}}  # fmt: skip
+    path = precision._cache_path("serve", config, machine(), tmp_path)
+    precision._write_cache(path, boot)
+    c = choose("serve", config, cache_dir=tmp_path)
+    assert c.source == "measured again (the cache was stale: float32 t(1) 68.6 ms cached, 30.3 ms now)"
+    assert c.curves["float32"][1] == pytest.approx(30.3) and precision._read_cache(path) == c.curves
+    host["float32"] = 33.0  # 9 % slower than cached: noise, the cache stands
+    assert choose("serve", config, cache_dir=tmp_path).source == "cached"
+    assert precision._stale({"float32": {1: 30.0}, "bfloat16": {1: 31.0}}, {"float32": 33.0, "bfloat16": 31.0}, 1) == (
+        "the fastest dtype at t(1) is now bfloat16"
+    )
+    assert precision._stale({"float32": {0: 10.0}}, {"float32": 30.0}, 0).startswith("float32 the training step")

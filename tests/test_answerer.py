@@ -73,6 +73,43 @@ def test_a_rerun_answers_only_what_no_shard_holds(tokenizers, tiny_target, tmp_p
     assert not list((tmp_path / "a").glob("*.tmp"))
 
 
+def test_a_sitting_stopped_by_ctrl_c_keeps_its_finished_rows_and_the_rerun_does_the_rest(
+    tokenizers,  # noqa: F811
+    tiny_target,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    import train.answerer as answerer
+
+    tok, target = tokenizers["reference"], TargetModel(tiny_target)
+    # all 5 first turns decode together, then the 5 second turns; a shard every 8 rows: the stop at the 7th answer
+    # (2 conversations finished) comes before the first shard
+    cfg = AnswerConfig(max_new_tokens=4, batch_size=8)
+    answer(target, tok, _jobs(), cfg, tmp_path / "whole", log=lambda m: None)
+    real = answerer.decode_continuous
+
+    def stopped_after_seven_answers(target, submit, on_done, *rest):
+        seen = []
+
+        def done(key, toks):
+            on_done(key, toks)
+            seen.append(key)
+            if len(seen) == 7:
+                raise KeyboardInterrupt
+
+        return real(target, submit, done, *rest)
+
+    monkeypatch.setattr(answerer, "decode_continuous", stopped_after_seven_answers)
+    lines = []
+    with pytest.raises(KeyboardInterrupt):
+        answer(target, tok, _jobs(), cfg, tmp_path / "a", log=lines.append)
+    kept = read_shards(tmp_path / "a")
+    assert len(kept) == 2 and any("of it" in line for line in lines)  # finished rows on disk, the rate said
+    monkeypatch.setattr(answerer, "decode_continuous", real)
+    answer(target, tok, _jobs(), cfg, tmp_path / "a", log=lambda m: None)
+    assert read_shards(tmp_path / "a") == read_shards(tmp_path / "whole")
+
+
 def test_ranks_write_disjoint_shards_whose_union_is_the_single_process_run(
     tokenizers,  # noqa: F811
     tiny_target,  # noqa: F811
@@ -180,6 +217,28 @@ def test_static_batching_answers_the_same_and_the_decode_flops_count_every_weigh
     config = tiny_target.config
     weights = 2 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64) + 32 * config.vocab_size
     assert decode_flops_per_token(config, 10) == 2 * weights + 4 * 2 * 10 * 32
+
+
+def test_the_run_is_set_against_the_machines_limit_for_the_same_work(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
+    """Every answer run prints its answer tokens/s beside the fastest the same FLOPs (every prompt's prefill, every
+    decode step) could run at the machine's GEMM rate."""
+    import train.answerer as answerer
+    from train.answerer import decode_flops_per_token, machine_limit
+
+    monkeypatch.setattr(answerer, "_gemm_rate", lambda dtype: 1e9)  # 1 GFLOP/s: the arithmetic below is exact
+    tok, target = tokenizers["reference"], TargetModel(tiny_target)
+    lines = []
+    counts = answer(target, tok, _jobs(), AnswerConfig(max_new_tokens=4, batch_size=2), tmp_path / "c", log=lines.append)
+    assert counts["prompt_tokens"] > counts["answers"] * 5  # each of the 10 turns' prompts, prefilled whole
+    assert counts["ratio_to_limit"] == pytest.approx(counts["tokens_per_s"] / counts["limit_tokens_per_s"], rel=0.02)
+    assert any("answer tokens/s against this machine's limit" in line for line in lines)
+    config = tiny_target.config
+    head = 2 * 32 * config.vocab_size
+    fake = {"answers": 2, "answer_tokens": 10, "prompt_tokens": 40, "tokens_per_s": 5.0}
+    flops = 40 * (decode_flops_per_token(config, 10) - head) + 10 * decode_flops_per_token(config, 22)
+    got = machine_limit(target, fake)
+    assert got["gflop_per_answer_token"] == round(flops / 10 / 1e9, 3)
+    assert got["limit_tokens_per_s"] == round(1e9 / (flops / 10), 1)
 
 
 def test_the_chat_data_build_answers_through_the_answerer_and_resumes(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811

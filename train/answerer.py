@@ -23,6 +23,7 @@ run, so a resumed run samples afresh.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
@@ -213,6 +214,7 @@ def answer(
         del queue[:n]
         while len(out) < n and fresh:
             out.append(fresh.pop(0))
+        counts["prompt_tokens"] += sum(len(p) for _, p in out)  # every turn's prompt is prefilled whole
         return out
 
     def on_done(key: str, toks: list[int]) -> None:
@@ -238,14 +240,20 @@ def answer(
         max_new_tokens=cfg.max_new_tokens if chat else cfg.new_tokens,
         seed=_seed(cfg, mine[0][1].id if mine else "", rank),
     )
-    if mine:
-        decode_continuous(target, submit, on_done, params, stop, cfg.batch_size, cfg.refill)
-    flush(1)
-    bar.close()
-    seconds = time.time() - t0
-    rate = counts["answer_tokens"] / max(seconds, 1e-9)
-    counts = dict(counts, seconds=round(seconds, 1), tokens_per_s=round(rate, 1))
-    log(f"{desc}: {json.dumps(counts)}")
+    try:
+        if mine:
+            decode_continuous(target, submit, on_done, params, stop, cfg.batch_size, cfg.refill)
+    finally:  # a sitting stopped by Ctrl-C (or a crash) keeps its finished rows and still says how fast it went
+        flush(1)
+        bar.close()
+        seconds = time.time() - t0
+        rate = counts["answer_tokens"] / max(seconds, 1e-9)
+        counts = dict(counts, seconds=round(seconds, 1), tokens_per_s=round(rate, 1))
+        if counts["answers"]:
+            counts |= machine_limit(target, counts)
+        log(f"{desc}: {json.dumps(counts)}")
+        if counts["answers"]:
+            log(f"{desc}: {limit_words(counts)}")
     return counts
 
 
@@ -309,9 +317,45 @@ def decode_flops_per_token(config, context: int) -> float:
     return 2.0 * (layers * per_layer + h * text.vocab_size) + 4.0 * layers * context * heads * head_dim
 
 
+@functools.lru_cache(maxsize=4)
+def _gemm_rate(dtype: torch.dtype) -> float:
+    """FLOP/s of a 1024² GEMM in ``dtype``: what the cores sustain on the easiest dense work (once per process)."""
+    return gemm_gflops(dtype, 1024, reps=3) * 1e9
+
+
+def machine_limit(target: TargetModel, counts: dict) -> dict:
+    """The run's work against this machine's limit: its FLOPs (every prompt's prefill, then every answer token's
+    decode step, attention at the mean context included; `decode_flops_per_token`) over the GEMM rate is the
+    fastest this work could go; ``ratio_to_limit`` = measured answer tokens/s over that limit's."""
+    answers, answer_tokens = counts["answers"], counts["answer_tokens"]
+    prompt = counts.get("prompt_tokens", 0) / answers  # mean prompt of one answer
+    text = target.config.get_text_config()
+    head = 2.0 * text.hidden_size * text.vocab_size  # a prefill keeps one position's logits
+    prefill = counts.get("prompt_tokens", 0) * (decode_flops_per_token(target.config, int(prompt / 2)) - head)
+    decode = answer_tokens * decode_flops_per_token(target.config, int(prompt + answer_tokens / answers / 2))
+    rate = _gemm_rate(target.dtype)
+    flops_per_answer_token = (prefill + decode) / max(answer_tokens, 1)
+    limit = rate / flops_per_answer_token
+    return {
+        "gemm_gflops": round(rate / 1e9, 1),
+        "gflop_per_answer_token": round(flops_per_answer_token / 1e9, 3),
+        "limit_tokens_per_s": round(limit, 1),
+        "ratio_to_limit": round(counts["tokens_per_s"] / limit, 3),
+    }
+
+
+def limit_words(counts: dict) -> str:
+    return (
+        f"{counts['tokens_per_s']:.1f} answer tokens/s against this machine's limit of {counts['limit_tokens_per_s']:.0f} "
+        f"for the same work (GEMM {counts['gemm_gflops']:.0f} GFLOP/s over {counts['gflop_per_answer_token']:.2f} "
+        f"GFLOP per answer token, prefill included): {counts['ratio_to_limit']:.0%} of it"
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     """``python -m train.answerer`` / ``drafters bench-answerer``: answer N training requests and print answer
-    tokens/s beside this machine's limit (a GEMM-rate probe over the FLOPs of a decode step) and their ratio."""
+    tokens/s beside this machine's limit for the same work (`machine_limit`: its prefill and decode FLOPs over a
+    GEMM-rate probe) and their ratio."""
     import argparse
     import gzip
 
@@ -343,26 +387,13 @@ def main(argv: list[str] | None = None) -> dict:
     refill = args.batch_size if args.static else None
     cfg = AnswerConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, refill=refill)
     counts = answer(target, tokenizer, jobs, cfg, out)
-    prompt_len = sum(len(_Conversation(j).next_prompt(tokenizer, cfg) or []) for j in jobs) / len(jobs)
-    flops = decode_flops_per_token(target.config, int(prompt_len + args.max_new_tokens / 2))
-    rate = gemm_gflops(target.dtype, 1024) * 1e9  # what the cores sustain on the easiest dense work
-    limit = rate / flops
     result = {
         **counts,
         "dtype": str(target.dtype).removeprefix("torch."),
         "batch_size": args.batch_size,
         "batching": "static" if args.static else "continuous",
-        "gemm_gflops": rate / 1e9,
-        "decode_gflop_per_token": flops / 1e9,
-        "limit_tokens_per_s": limit,
-        "ratio_to_limit": counts["tokens_per_s"] / limit,
     }
-    print(
-        f"answer tokens/s {counts['tokens_per_s']:.1f} at batch {args.batch_size} ({result['batching']} batching) in "
-        f"{result['dtype']}; this machine's "
-        f"limit {limit:.0f} tokens/s (GEMM {rate / 1e9:.0f} GFLOP/s over {flops / 1e9:.2f} GFLOP per decoded token): "
-        f"{result['ratio_to_limit']:.0%} of it"
-    )
+    print(f"at batch {args.batch_size} ({result['batching']} batching) in {result['dtype']}: {limit_words(counts)}")
     with open(args.out / "results.jsonl", "a") as f:
         f.write(json.dumps(result) + "\n")
     return result

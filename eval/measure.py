@@ -319,9 +319,15 @@ def measure(
     fp32_certificate: bool = True,
     vanilla_target: TargetModel | None = None,
     drafter_dtype: str | None = None,
+    batch_repeats: int = 1,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
     """Run vanilla, HF generate (bs 1) and every candidate on the same prompts; return result rows.
+
+    ``batch_repeats``: at batch sizes above 1, decode each batch this many times, every method once per repeat in
+    turn (a batch of cycled prompts is one call per method, and one call's timing on a shared host moved by 20 %
+    here). Rows then pool the repeats and carry ``vanilla_repeat_spread``: the widest (max - min) / mean of
+    vanilla's tokens/s over the repeats of one batch, the noise band a speedup there is read against.
 
     ``vanilla_target``: the target in the dtype vanilla is fastest in, when that is not the served one
     (`serving_targets`): vanilla and HF generate run on both, greedy identity is judged against the served dtype's
@@ -358,8 +364,11 @@ def measure(
     served = str(target.dtype).removeprefix("torch.")
     machine_words = machine(device=target.device.type).words()
     certify_fp32 = fp32_certificate and 0.0 in temperatures and target.dtype != torch.float32
-    calls = len(temperatures) * sum(2 + len(candidates) + len(hf_assisted) for _ in batch_sizes)
-    calls += 2 * len(temperatures) * len(batch_sizes) if vanilla_target is not None else 0
+    if batch_repeats < 1:
+        raise ValueError(f"batch_repeats must be >= 1, got {batch_repeats}")
+    reps = {bs: batch_repeats if bs > 1 else 1 for bs in batch_sizes}
+    calls = len(temperatures) * sum(reps[bs] * (2 + len(candidates)) + len(hf_assisted) for bs in batch_sizes)
+    calls += 2 * len(temperatures) * sum(reps.values()) if vanilla_target is not None else 0
     calls += (1 + len(candidates)) * len(batch_sizes) if certify_fp32 else 0
     log(
         f"measure: {len(prompts)} prompts x {calls} generate calls of up to {max_new_tokens} tokens, target in "
@@ -383,12 +392,16 @@ def measure(
             van, hf, van_other, hf_other = _Tally(), _Tally(), _Tally(), _Tally()
             acc = {c.key: _Tally() for c in candidates}
             assisted = {name: _Tally() for name in hf_assisted} if bs == 1 else {}
-            for bi, batch in enumerate(batches):
+            repeat_tps: dict[int, list[float]] = {}  # batch → vanilla's tokens/s per repeat
+            for rep_bi in range(len(batches) * reps[bs]):
+                bi = rep_bi % len(batches)  # repeats after the whole round of batches: every method once per repeat
+                batch = batches[bi]
                 cat, ids = batch[0].category, [p.ids for p in batch]
                 where = {"batch": bi, "category": cat, "prompts": [p.name for p in batch]}
                 params = _greedy_params(temp, max_new_tokens, bi)
                 ref = generate_vanilla(target, ids, params, eos_ids)
                 van.add(cat, sum(map(len, ref.tokens)), ref.stats.total_s, ref.stats)
+                repeat_tps.setdefault(bi, []).append(sum(map(len, ref.tokens)) / ref.stats.total_s)
                 if vanilla_target is not None:
                     other = generate_vanilla(vanilla_target, ids, params, eos_ids)
                     van_other.add(cat, sum(map(len, other.tokens)), other.stats.total_s, other.stats)
@@ -447,7 +460,12 @@ def measure(
                     "vanilla_tokens_per_s": base,
                     "our_vanilla_tokens_per_s": vanilla_tps,
                     "hf_generate_tokens_per_s": hf_tps,
-                    "vanilla_mean_answer_tokens": v["tokens"] / n_prompts,
+                    "vanilla_mean_answer_tokens": v["tokens"] / (n_prompts * reps[bs]),
+                    "batch_repeats": reps[bs],
+                    "vanilla_repeat_spread": max(
+                        ((max(t) - min(t)) / (sum(t) / len(t)) for t in repeat_tps.values() if len(t) > 1),
+                        default=None,
+                    ),
                     # at batch 1: which of our two vanilla loops ran, and what their one-token forwards cost
                     "vanilla_loop": target.vanilla_loop if bs == 1 else "masked",
                     "vanilla_loop_ms": target.vanilla_loop_ms if bs == 1 else {},

@@ -136,6 +136,9 @@ class ReportConfig:
     """Other drafter checkpoints (any family) measured in the same run, e.g. the shipped EAGLE-3 beside Medusa."""
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     """Batch sizes to measure (a category with fewer prompts than a batch size is cycled to fill one batch)."""
+    batch_repeats: int = 1
+    """At batch sizes above 1, every method decodes each batch this many times in turn (`eval.measure.measure`):
+    one call per method is one timing, and rows then say vanilla's spread over the repeats."""
     batch_auto: bool = True
     """Where batch_sizes goes past 1: also the batch-aware row (infer/batch_policy.py), the first drafter's sized
     chain with its length chosen per batch size from the cost curve measured at that batch size, switched off where
@@ -372,6 +375,7 @@ def run_report(
         fp32_certificate=cfg.fp32_certificate,
         vanilla_target=vanilla_target,
         drafter_dtype=_dtype_of(drafters[0]),
+        batch_repeats=cfg.batch_repeats,
         log=log,
     )
     checks = {}

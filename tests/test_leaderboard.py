@@ -94,6 +94,10 @@ def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, mo
     auto = [r for r in swept if r["setting"].startswith("auto (bs1:")]
     assert {r["batch_size"] for r in auto} == {1, 2} and all(r["unexplained_divergences"] == 0 for r in auto)
     assert not any("EAGLE-2" in r["setting"] or r["proposer"].startswith("draft model") for r in swept)
+    # batch 2 decoded 3 times per method in turn (sweep_repeats), vanilla's spread over them kept; batch 1 once
+    assert {(r["batch_size"], r["batch_repeats"]) for r in swept} == {(1, 1), (2, 3)}
+    assert all((r["vanilla_repeat_spread"] is None) == (r["batch_size"] == 1) for r in swept)
+    assert all(r["max_new_tokens"] == 64 for r in swept)
     greedy = [r for r in board["results"] if r["temperature"] == 0.0 and r.get("tau")]
     assert greedy and all(r["unexplained_divergences"] == 0 for r in greedy)  # bf16 near-ties may be explained
     assert all(r["per_call"] for r in greedy)
@@ -105,6 +109,7 @@ def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, mo
     assert re.search(r"\| (bf16|fp32) 1\.00", md) and "lossless rule (rejection sampling)" in md
     assert "`missing__T0__bs1`: failed" in md
     assert "## Speedup against batch size" in md and "| method | bs 1 | bs 2 | lossless evidence |" in md
+    assert re.search(r"\| \*noise: vanilla's own spread over the repeats\* \| — \| ±\d+% \|", md)
     assert "## T = 0, batch size 2" not in md  # the sweep's rows have their own table, not the per-category ones
     with open(out / "leaderboard.csv") as f:
         assert len(list(csv.DictReader(f))) == len(board["results"])
@@ -184,3 +189,15 @@ def test_a_cell_from_another_kind_of_machine_is_measured_again_unless_reuse_is_a
         "EPYC (avx2, avx512_bf16), 2 threads (cells chat__T0__bs1); EPYC (avx2), 2 threads (cells code__T0__bs1)"
     )
     assert machines_words([{"cell": "a", "machine": "m"}, {"cell": "b", "machine": "m"}]) == "m"
+
+
+def test_a_report_setting_added_later_at_its_default_keeps_finished_cells():
+    from eval.leaderboard import _fingerprint, same_settings
+
+    cfg = LeaderboardConfig(categories=["chat"], batch_sweep=[])
+    now = _fingerprint(cfg, cells_of(cfg)[0])
+    older = {**now, "report": {k: v for k, v in now["report"].items() if k != "batch_repeats"}}
+    assert same_settings(now, now) and same_settings(older, now)
+    changed = {**now, "report": {**now["report"], "batch_repeats": 3}}
+    assert not same_settings(older, changed)  # the new setting away from its default measures something else
+    assert not same_settings({**older, "report": {**older["report"], "prompts": 8}}, now)

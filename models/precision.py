@@ -326,7 +326,10 @@ def choose(
             path.unlink(missing_ok=True)
         dtypes = ["float32", "bfloat16"]
         found, source = _measure_once(path, lambda: measure_curves(workload, config, dtypes, prepare))
-        if source == "cached":
+        # ranks of one launch must make one choice: each re-timing on its own could disagree, so only one process
+        # (no WORLD_SIZE above 1) re-checks
+        # serving only: a training run's autocast choice must stay the one its other runs (and resumes) made
+        if source == "cached" and workload == "serve" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             key = CHECK_KEY[workload]
             fresh = {d: curve_timer(workload, config, prepare)(d, key) for d in dtypes if key in found.get(d, {})}
             stale = _stale(found, fresh, key)
@@ -452,7 +455,7 @@ def _train_ms(model: nn.Module, dtype: torch.dtype, vocab: int) -> float:
     return _best_ms(step, reps=3)
 
 
-CHECK_KEY = {"serve": 1, "distill": DISTILL_BATCH, "train": 0}
+CHECK_KEY = {"serve": 1}
 """The size a cached curve is re-timed at when it is read: the one-token step that vanilla decoding runs (serve),
 the answerer's batch step (distill), the training step (train)."""
 

@@ -306,4 +306,3 @@ def test_a_stale_cached_curve_is_measured_again(tmp_path, monkeypatch):
     assert precision._stale({"float32": {1: 30.0}, "bfloat16": {1: 31.0}}, {"float32": 33.0, "bfloat16": 31.0}, 1) == (
         "the fastest dtype at t(1) is now bfloat16"
     )
-    assert precision._stale({"float32": {0: 10.0}}, {"float32": 30.0}, 0).startswith("float32 the training step")

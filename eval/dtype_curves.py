@@ -26,7 +26,8 @@ from models.reference import resolve_target
 
 
 def gemm_gflops(dtype: torch.dtype, n: int, reps: int = 5) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    g = torch.Generator().manual_seed(0)  # its own stream: a probe must not move the caller's RNG (model inits)
+    a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
     a @ b
     times = []
     for _ in range(reps):

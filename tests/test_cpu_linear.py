@@ -29,6 +29,19 @@ def test_both_layouts_agree_and_routing_follows_the_measured_choice():
         torch.testing.assert_close(
             cpu_linear.small_rows_linear(lin, x, ("x_wt",) * 5), torch.nn.functional.linear(x, lin.weight, lin.bias)
         )
+    # a weight made under inference_mode (a proposer's fused snapshot built inside a decode) has no version counter:
+    # the transposed copy is keyed by its storage, inside and outside inference_mode, and follows a replaced weight
+    with torch.inference_mode():
+        made = torch.nn.Linear(48, 80, bias=False)
+        made.weight = torch.nn.Parameter(lin.weight.detach().clone(), requires_grad=False)
+    assert made.weight.is_inference()
+    x = torch.randn(2, 48)
+    for ctx in (torch.inference_mode, torch.no_grad):
+        with ctx():
+            torch.testing.assert_close(cpu_linear.small_rows_linear(made, x, ("x_wt",) * 5), x @ made.weight.t())
+    with torch.inference_mode():
+        made.weight = torch.nn.Parameter(made.weight * 3.0, requires_grad=False)
+        torch.testing.assert_close(cpu_linear.small_rows_linear(made, x, ("x_wt",) * 5), x @ made.weight.t())
     # with grad enabled the plain path runs (training is never rerouted): gradients flow as usual
     x = torch.randn(3, 48, requires_grad=True)
     cpu_linear.small_rows_linear(lin, x, ("w_x",) * len(cpu_linear.BUCKETS)).sum().backward()

@@ -98,10 +98,14 @@ def lower_envelope(per_bucket: list[tuple[str, float]]) -> tuple[str, ...]:
 
 
 def _transposed(module: nn.Linear) -> torch.Tensor:
-    """Wᵀ contiguous, rebuilt whenever the weight changed in place (its version counter moved)."""
+    """Wᵀ contiguous, rebuilt whenever the weight changed in place (its version counter moved) or was replaced."""
+    w = module.weight
+    # a weight made under inference_mode (a proposer's fused snapshot built inside a decode) has no version counter;
+    # it can only change in place inside inference_mode, which no caller does to weights, so its storage names it
+    version = (w.data_ptr(), None if w.is_inference() else w._version)
     cached = module.__dict__.get("_drafters_wt")
-    if cached is None or cached[0] != module.weight._version:
-        cached = (module.weight._version, module.weight.detach().t().contiguous())
+    if cached is None or cached[0] != version:
+        cached = (version, w.detach().t().contiguous())
         module.__dict__["_drafters_wt"] = cached
     return cached[1]
 

@@ -69,7 +69,7 @@ DEFAULT_ACCEPTANCE = (0.6, 0.5, 0.45, 0.4, 0.4, 0.4, 0.4)
 trained EAGLE-3 reaches on its own data (the shipped one's held-out TTT accuracy is 0.45 / 0.38 / 0.36 / 0.33)."""
 CURVES_VERSION = 1
 STALE = 1.25
-"""A cached curve is re-checked at one size each time it is read (`_stale`): a fresh time this many x off the cached
+"""A cached serving curve is re-checked at one size each time it is read (`_stale`): a fresh time this many x off the cached
 one, or an order of the dtypes that flipped, means the cache was written on a busy or just-booted host (seen: fp32
 t(1) 68.6 ms cached minutes after boot, 30.1 ms on the quiet host), so the curves are measured again."""
 LOCK_WAIT_S = 600.0
@@ -156,7 +156,7 @@ class PrecisionChoice:
     dtype: str
     """"float32" or "bfloat16" (for ``train``: the autocast dtype; "float32" means no autocast)."""
     source: str
-    """"user" (an explicit setting), "measured", "cached" (measured before on this machine, re-checked at one size),
+    """"user" (an explicit setting), "measured", "cached" (measured before on this machine; serve re-checks t(1)),
     "measured again (the cache was stale: …)", "forced" ($DRAFTERS_CPU_BF16) or "cuda"."""
     reason: str
     vanilla_dtype: str | None = None
@@ -330,7 +330,7 @@ def choose(
         # (no WORLD_SIZE above 1) re-checks
         # serving only: a training run's autocast choice must stay the one its other runs (and resumes) made
         if source == "cached" and workload == "serve" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            key = CHECK_KEY[workload]
+            key = CHECK_ROWS
             fresh = {d: curve_timer(workload, config, prepare)(d, key) for d in dtypes if key in found.get(d, {})}
             stale = _stale(found, fresh, key)
             if stale:
@@ -455,21 +455,19 @@ def _train_ms(model: nn.Module, dtype: torch.dtype, vocab: int) -> float:
     return _best_ms(step, reps=3)
 
 
-CHECK_KEY = {"serve": 1}
-"""The size a cached curve is re-timed at when it is read: the one-token step that vanilla decoding runs (serve),
-the answerer's batch step (distill), the training step (train)."""
+CHECK_ROWS = 1
+"""The size a cached serving curve is re-timed at when it is read: the one-token step vanilla decoding runs."""
 
 
 def _stale(cached: dict[str, dict[int, float]], fresh: dict[str, float], key: int) -> str:
     """Why ``cached`` no longer describes this host at ``key`` ("" while it does): a dtype's fresh time is ``STALE``
     x off the cached one, or the fastest dtype there changed."""
-    what = "the training step" if key == 0 else f"t({key})"
     for d, ms in fresh.items():
         old = cached[d][key]
         if not 1 / STALE <= ms / old <= STALE:
-            return f"{d} {what} {old:.1f} ms cached, {ms:.1f} ms now"
+            return f"{d} t({key}) {old:.1f} ms cached, {ms:.1f} ms now"
     if len(fresh) > 1 and min(fresh, key=fresh.get) != min(fresh, key=lambda d: cached[d][key]):
-        return f"the fastest dtype at {what} is now {min(fresh, key=fresh.get)}"
+        return f"the fastest dtype at t({key}) is now {min(fresh, key=fresh.get)}"
     return ""
 
 

@@ -238,6 +238,10 @@ def main(argv: list[str]) -> None:
             record(accelerator, tc, metrics, log)
         if progress.save_due():
             save_training_state(accelerator, out, {"step": progress.step}, tc.keep_states)
+        if progress.snapshot_due():
+            snapshot = full_state(accelerator, drafter)
+            if accelerator.is_main_process:
+                model.save_pretrained(out / "snapshots" / f"step-{progress.step}", snapshot)
     step, train_s = progress.step, progress.close()
 
     # ---- save: resumable state, own-format checkpoint, engine exports

@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -87,6 +87,9 @@ class TrainConfig:
     """Held-out samples per evaluation."""
     save_every: int = 0
     """Optimizer steps between resumable states; 0 = only at the end."""
+    snapshot_steps: list[int] = field(default_factory=list)
+    """Optimizer steps after which a servable drafter checkpoint is written to ``<output_dir>/snapshots/step-N/``
+    (a data-scaling curve from one run: each snapshot has read a prefix of the same shuffled data)."""
     keep_states: int = 2
     """Resumable states kept on disk: the latest and keep_states - 1 earlier ones (``state.{step}``), so a state
     damaged after its save still leaves one to resume from."""
@@ -574,6 +577,9 @@ class Progress:
 
     def save_due(self) -> bool:
         return bool(self.tc.save_every and self.step % self.tc.save_every == 0 and self.step < self.total_steps)
+
+    def snapshot_due(self) -> bool:
+        return self.step in self.tc.snapshot_steps
 
     def close(self) -> float:
         """Seconds spent in the loop."""

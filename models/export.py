@@ -2,19 +2,34 @@
 sources read, the launch flags and the full list of refusals).
 
 Every ``save_*`` writes ``config.json``, the weights and a ``README.md`` saying which engine loads the folder and
-with which flags. Each format is also a pair of pure functions (config dict, state dict) so tests can check key
-names, shapes and dtypes on a meta-device model. Aux-layer ids are written in the engines' "before layer k"
-convention (ours + 1, see models/target.py).
+with which flags, or writes nothing and raises ValueError with the reason. Each format is also a pair of pure
+functions (config dict, state dict) so tests can check key names, shapes and dtypes on a meta-device model.
+
+EAGLE-3 aux-layer ids. Ours mean "output of layer k", 0-based (models/target.py). Both engines capture, in the
+target's ``LlamaModel.forward``, the residual stream entering layer i (``hidden_states + residual`` before layer i
+runs, i.e. the output of layer i - 1), and concatenate the captures in layer order. What each reads:
+
+- SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` (model_runner.py) and hands the list to
+  ``set_eagle3_layers_to_capture``, which captures before layer ``k + 1`` (models/llama.py): that list holds our
+  after-layer ids, as SpecForge writes it.
+- vLLM reads the top-level ``eagle_aux_hidden_state_layer_ids`` first and captures before those layers as given
+  (v1/worker/gpu_model_runner.py ``_get_eagle3_aux_layers_from_config``; models/llama.py): that list holds
+  before-layer ids, ours + 1. Without it vLLM falls back to ``eagle_config``'s list, read the same way, so the
+  top-level key must be written. The speculators format has only the top-level key (vLLM's converter copies it).
+
+Ids out of ascending order are refused: the engines would hand ``fc`` the features in layer order, not in the order
+it was trained on. A tap on the last layer or a repeated id makes the engines capture fewer features than ``fc``
+reads, which fails at load (a shape error), not silently.
 
 EAGLE-3 (key maps: REFERENCE.md, "EAGLE-3"):
 
 - SGLang / vLLM (``LlamaForCausalLMEagle3``): a LlamaConfig with one hidden layer plus ``draft_vocab_size``,
-  ``target_hidden_size``, ``norm_before_residual`` false and the aux-layer ids twice: in ``eagle_config`` (SGLang
-  reads them there) and top level (vLLM's model runner reads ``eagle_aux_hidden_state_layer_ids`` from the draft
-  config's top level and otherwise taps its default layers); weights ``fc.weight``, ``midlayer.*``, ``norm.weight``,
-  ``lm_head.weight``, ``d2t`` (int64 offsets), ``t2d`` (bool); no ``embed_tokens`` (the engines share the target's).
+  ``target_hidden_size``, ``norm_before_residual`` false and the aux-layer ids as above; weights ``fc.weight``,
+  ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t`` (int64 offsets), ``t2d`` (bool); no ``embed_tokens``
+  (the engines share the target's).
 - speculators (``Eagle3Speculator``): the same weights with the layer under ``layers.0.``, the layer shape in
-  ``transformer_layer_config`` and the verifier and proposal in ``speculators_config``.
+  ``transformer_layer_config``, the before-layer ids at top level and the verifier and proposal in
+  ``speculators_config``.
 
 Medusa heads (REFERENCE.md, "Medusa"); both layouts carry one lm_head per head (a shared-head drafter writes the
 target's head under every head: the engines load the heads from the drafter folder, not from the target):
@@ -24,8 +39,10 @@ target's head under every head: the engines load the heads from the drafter fold
   opens nothing else; TensorRT-LLM prefers it) with ``{h}.{l}.linear.{weight,bias}`` and ``{h}.{L}.weight``; config
   ``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``. TensorRT-LLM takes the head count from
   ``--num_medusa_heads`` (default 4) and the depth from ``--num_medusa_layers``, never from the config: the README
-  written beside the weights gives the command. FasterDecoding's limits (it always builds five heads and shares one
-  ResBlock across layers) are spelled out there too.
+  written beside the weights gives the command. Refused (`medusa_original_refusal`) where FasterDecoding's loader
+  cannot build the heads as trained: more than one ResBlock per head (it builds ``[ResBlock] * L``, one module
+  repeated), more than five heads (it builds five, loads with ``strict=False`` and drops the rest), a base that is
+  not Llama or Mistral (its ``MedusaModel.from_pretrained`` raises).
 
 MTP modules (REFERENCE.md, "MTP"). vLLM and SGLang build their own MTP block and route a draft to it only for the
 target families below, so these layouts are written only for targets of that family (refused otherwise: a Llama
@@ -34,7 +51,8 @@ target's MTP modules serve in drafters' own runtime, infer/mtp_proposer.py):
 - DeepSeek-V3 (``model_type: deepseek_v3``): module k as decoder layer N + k,
   ``model.layers.{N+k}.{enorm,hnorm,eh_proj,embed_tokens,shared_head.norm,shared_head.head}`` plus the block's keys in
   the checkpoint layout (experts one by one); config = the target's with ``num_nextn_predict_layers``, in
-  ``model-mtp.safetensors``. SGLang loads one module only, so a drafter with D > 1 must say how many to write.
+  ``model-mtp.safetensors``. SGLang loads one module only, so a drafter with D > 1 must say how many to write;
+  `mtp_engine_exports` (what training writes) takes the first module then, and says so.
 - Qwen3-Next (``model_type: qwen3_next``): one module as ``mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}``
   and ``mtp.layers.0.*``, plus ``model.embed_tokens.weight`` and ``lm_head.weight`` (vLLM loads both from the draft
   checkpoint). Qwen3-Next's norms scale by (1 + w): transformers already stores the target's norms (the block's and
@@ -48,6 +66,7 @@ with the reason, so a published folder is fed in the engine what it was trained 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,10 +110,23 @@ def _dtype_name(drafter: Eagle3Drafter) -> str:
     return str(drafter.fc.weight.dtype).removeprefix("torch.")
 
 
-def _aux_before_layer_ids(drafter: Eagle3Drafter) -> list[int]:
+def _aux_after_layer_ids(drafter: Eagle3Drafter) -> list[int]:
+    """The drafter's taps, ours: "output of layer k", 0-based (what SGLang's ``eagle_config`` list means)."""
     if drafter.target_info is None:
         raise ValueError("the drafter has no target_info; aux-layer ids are unknown")
-    return to_before_layer_ids(drafter.target_info.aux_layer_ids)
+    ids = list(drafter.target_info.aux_layer_ids)
+    if ids != sorted(ids):
+        raise ValueError(
+            f"aux-layer ids {ids} are not in ascending order: SGLang and vLLM capture the taps while walking the "
+            "target's layers and concatenate them in layer order (LlamaModel.forward), so fc would read its features "
+            f"in the order {sorted(ids)}, not the order it was trained on"
+        )
+    return ids
+
+
+def _aux_before_layer_ids(drafter: Eagle3Drafter) -> list[int]:
+    """The same taps as vLLM names them: "before layer k + 1" (the residual stream entering that layer)."""
+    return to_before_layer_ids(_aux_after_layer_ids(drafter))
 
 
 def _write(
@@ -126,9 +158,8 @@ def _refuse(reason: str | None) -> None:
 
 # ------------------------------------------------------------------------------------ SGLang / vLLM
 def sglang_config(drafter: Eagle3Drafter) -> dict:
-    """config.json for SGLang / vLLM (``LlamaForCausalLMEagle3``)."""
+    """config.json for SGLang / vLLM (``LlamaForCausalLMEagle3``); the aux-layer ids in each engine's meaning."""
     cfg = drafter.config
-    aux = _aux_before_layer_ids(drafter)
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         **_llama_fields(drafter),
@@ -136,10 +167,15 @@ def sglang_config(drafter: Eagle3Drafter) -> dict:
         "target_hidden_size": cfg.target_hidden_size,
         # the layer keeps h (not hidden_norm(h)) as its residual; vLLM's llama_eagle3.py reads this, default false
         "norm_before_residual": False,
-        # vLLM (v1/worker/gpu_model_runner.py, _get_eagle3_aux_layers_from_config) reads the top-level key
-        "eagle_aux_hidden_state_layer_ids": aux,
-        # SGLang reads eagle_config (use_aux_hidden_state, eagle_aux_hidden_state_layer_ids)
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
+        # vLLM (v1/worker/gpu_model_runner.py, _get_eagle3_aux_layers_from_config) reads this key first and captures
+        # the input of each listed layer: before-layer ids, ours + 1
+        "eagle_aux_hidden_state_layer_ids": _aux_before_layer_ids(drafter),
+        # SGLang (model_runner.py) hands this list to set_eagle3_layers_to_capture, which adds 1 itself (models/llama.py):
+        # after-layer ids, ours as they are (SpecForge writes the same)
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": _aux_after_layer_ids(drafter),
+            "use_aux_hidden_state": True,
+        },
     }
 
 
@@ -155,7 +191,9 @@ def _sglang_readme(drafter: Eagle3Drafter) -> str:
     return f"""
 # EAGLE-3 drafter: SGLang / vLLM (`LlamaForCausalLMEagle3`)
 
-Target: `{info.target_name if info else "?"}`; aux layers (before-layer ids) {_aux_before_layer_ids(drafter)}.
+Target: `{info.target_name if info else "?"}`; aux layers: outputs of layers {_aux_after_layer_ids(drafter)} (0-based),
+written as `eagle_config.eagle_aux_hidden_state_layer_ids` {_aux_after_layer_ids(drafter)} (SGLang adds 1 itself) and
+top-level `eagle_aux_hidden_state_layer_ids` {_aux_before_layer_ids(drafter)} (vLLM: the layers whose input it takes).
 
 - SGLang: `--speculative-algorithm EAGLE3 --speculative-draft-model-path <this folder>
   --speculative-num-steps 5 --speculative-eagle-topk 8 --speculative-num-draft-tokens 32`
@@ -186,6 +224,8 @@ def speculators_config(drafter: Eagle3Drafter, speculative_tokens: int = DEFAULT
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": False,
+        # vLLM's speculators converter copies this key to the top level, where its model runner reads it as the
+        # layers whose input it captures: before-layer ids, ours + 1
         "eagle_aux_hidden_state_layer_ids": _aux_before_layer_ids(drafter),
         "torch_dtype": _dtype_name(drafter),
         "speculators_config": {
@@ -290,65 +330,68 @@ heads, not Medusa's tree.
     return _write(out_dir, medusa_vllm_config(drafter), medusa_vllm_state_dict(drafter), readme=readme)
 
 
-def _medusa_base(drafter: MedusaDrafter, base_model_name_or_path: str | None) -> str:
-    base = base_model_name_or_path or (drafter.target_info.target_name if drafter.target_info else None)
-    if not base:
-        raise ValueError(
+def medusa_original_refusal(drafter: MedusaDrafter, base_model_name_or_path: str | None = None) -> str | None:
+    """Why the original layout cannot hold these heads (None: FasterDecoding's loader builds them as trained).
+
+    FasterDecoding (medusa/model/medusa_model.py): ``MedusaModel.from_pretrained`` raises unless the base's model_type
+    is llama or mistral; the MEDUSA-v0.1 branch of ``MedusaModelABC.from_pretrained`` sets ``medusa_num_heads = 5``
+    and loads the heads with ``strict=False``; ``MedusaModelABC.__init__`` builds ``[ResBlock(hidden)] *
+    medusa_num_layers``, one module repeated."""
+    cfg, info = drafter.config, drafter.target_info
+    if not (base_model_name_or_path or (info.target_name if info else None)):
+        return (
             "the original Medusa layout needs base_model_name_or_path (FasterDecoding's loader opens the base model "
             "from it) and this drafter names no target: pass base_model_name_or_path=..."
         )
-    return base
+    served = "; these heads serve in vLLM (export-vllm) and in drafters' own runtime"
+    if cfg.num_layers > 1:
+        return (
+            f"FasterDecoding cannot build {cfg.num_layers} ResBlocks per head: it builds `[ResBlock(hidden)] * "
+            f"medusa_num_layers`, one module repeated, so the {cfg.num_layers} distinct blocks of each head would "
+            f"load as block {cfg.num_layers - 1} repeated{served}"
+        )
+    if cfg.num_heads > FASTERDECODING_HEADS:
+        return (
+            f"FasterDecoding cannot build {cfg.num_heads} heads: it builds {FASTERDECODING_HEADS} whatever the config "
+            f"says and loads with strict=False, so heads {FASTERDECODING_HEADS}..{cfg.num_heads - 1} would be "
+            f"dropped{served}"
+        )
+    archs = info.target_architectures if info else []
+    if archs and not set(archs) & set(FASTERDECODING_BASES):
+        return (
+            f"FasterDecoding serves llama and mistral bases only (it raises otherwise); this target is {archs}{served}"
+        )
+    return None
 
 
 def medusa_original_config(drafter: MedusaDrafter, base_model_name_or_path: str | None = None) -> dict:
-    """FasterDecoding's MedusaConfig (no ``model_type``: with one, its loader takes the folder for a whole model)."""
-    cfg = drafter.config
+    """FasterDecoding's MedusaConfig (no ``model_type``: with one, its loader takes the folder for a whole model).
+    Refused (ValueError) with `medusa_original_refusal`'s reason."""
+    _refuse(medusa_original_refusal(drafter, base_model_name_or_path))
+    cfg, info = drafter.config, drafter.target_info
     return {
         "medusa_num_heads": cfg.num_heads,
         "medusa_num_layers": cfg.num_layers,
-        "base_model_name_or_path": _medusa_base(drafter, base_model_name_or_path),
+        "base_model_name_or_path": base_model_name_or_path or info.target_name,
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
     }
 
 
 def medusa_original_state_dict(drafter: MedusaDrafter) -> dict[str, torch.Tensor]:
+    """The key map alone (no refusal): ``{h}.{l}.linear.{weight,bias}`` and ``{h}.{L}.weight``."""
     return _medusa_state(drafter, "{}.{}.linear.{}", "{}.{}.weight")
-
-
-def medusa_fasterdecoding_limits(drafter: MedusaDrafter) -> list[str]:
-    """Why FasterDecoding's loader would not compute these heads as trained (empty: it loads them exactly)."""
-    cfg, info = drafter.config, drafter.target_info
-    limits = []
-    if cfg.num_layers > 1:
-        limits.append(
-            f"it builds `[ResBlock(hidden)] * medusa_num_layers`, one module repeated: the {cfg.num_layers} distinct "
-            f"blocks of each head would load as block {cfg.num_layers - 1} repeated"
-        )
-    if cfg.num_heads > FASTERDECODING_HEADS:
-        limits.append(
-            f"it builds {FASTERDECODING_HEADS} heads whatever the config says and loads with strict=False: heads "
-            f"{FASTERDECODING_HEADS}..{cfg.num_heads - 1} would be dropped"
-        )
-    archs = info.target_architectures if info else []
-    if archs and not set(archs) & set(FASTERDECODING_BASES):
-        limits.append(f"it serves llama and mistral bases only; this target is {archs}")
-    return limits
 
 
 def _medusa_original_readme(drafter: MedusaDrafter, base: str) -> str:
     cfg, info = drafter.config, drafter.target_info
     n, layers = cfg.num_heads, cfg.num_layers
     dtype = str(drafter.output_head(0).weight.dtype).removeprefix("torch.")
-    limits = medusa_fasterdecoding_limits(drafter)
-    if limits:
-        fd = "FasterDecoding would load this folder but not compute the heads as trained: " + "; ".join(limits) + "."
-    else:
-        fd = (
-            "FasterDecoding loads it exactly. It always builds 5 heads: "
-            + (f"heads {n}..4 stay untrained, so use `medusa_choices` no deeper than {n}. " if n < 5 else "")
-            + f"`base_model_name_or_path` (`{base}`) must resolve on the serving machine."
-        )
+    fd = (  # medusa_original_refusal passed: one ResBlock per head, at most five heads, a llama / mistral base
+        "FasterDecoding loads it exactly. It always builds 5 heads: "
+        + (f"heads {n}..4 stay untrained, so use `medusa_choices` no deeper than {n}. " if n < 5 else "")
+        + f"`base_model_name_or_path` (`{base}`) must resolve on the serving machine."
+    )
     joint = ""
     if info is not None and info.target_weights:
         joint = (
@@ -379,8 +422,9 @@ def save_medusa_original(
 ) -> Path:
     """Write the original Medusa layout: config.json, ``medusa_lm_head.pt`` (what FasterDecoding's loader opens;
     TensorRT-LLM's converter prefers it too) and a README with the TensorRT-LLM flags (``--num_medusa_heads N
-    --num_medusa_layers L``: the converter does not read them from the config) and FasterDecoding's limits
-    (`medusa_fasterdecoding_limits`). Refuses (ValueError) when the base model is unknown. Returns the directory."""
+    --num_medusa_layers L``: the converter does not read them from the config). Writes nothing and raises ValueError
+    with `medusa_original_refusal`'s reason where FasterDecoding cannot build the heads as trained or the base model
+    is unknown. Returns the directory."""
     config = medusa_original_config(drafter, base_model_name_or_path)
     readme = _medusa_original_readme(drafter, config["base_model_name_or_path"])
     return _write(out_dir, config, medusa_original_state_dict(drafter), "medusa_lm_head.pt", readme)
@@ -711,3 +755,34 @@ def save_mtp_qwen3_next(drafter: MTPDrafter, out_dir: str | Path, module: int | 
         mtp_qwen3_next_state_dict(drafter, module),
         readme=_qwen3_next_readme(drafter, module),
     )
+
+
+# --- what training writes ---------------------------------------------------------------------------------
+def mtp_engine_exports(drafter: MTPDrafter) -> list[tuple[str, Callable[[Path], Path] | None, str]]:
+    """Each MTP engine folder for a trained drafter: (folder name, writer of that folder or None when refused, what
+    the folder holds or why there is none). Both layouts hold one module where a drafter has D > 1: SGLang's DeepSeek
+    NextN loader asserts one, and Qwen3-Next's MTP layer is one; the engines then run that module for every draft
+    step. The first module is written, the one trained on the target's own hidden state (module k > 0 reads module
+    k - 1's output). ``save_mtp_deepseek(drafter, out, num_modules=D)`` writes all D for vLLM alone."""
+    D = drafter.config.num_modules
+    if D == 1:
+        held = "the drafter's one module"
+    else:
+        held = (
+            f"module 0 of the drafter's {D} (one module: the engines run it for every draft step; modules 1..{D - 1} "
+            "serve in drafters' own runtime)"
+        )
+    exports = []
+    deepseek_modules = None if D == 1 else 1
+    why = mtp_deepseek_refusal(drafter, deepseek_modules)
+    if why is None:
+        exports.append(("export-deepseek", lambda out: save_mtp_deepseek(drafter, out, deepseek_modules), held))
+    else:
+        exports.append(("export-deepseek", None, why))
+    qwen_module = None if D == 1 else 0
+    why = mtp_qwen3_next_refusal(drafter, qwen_module)
+    if why is None:
+        exports.append(("export-qwen3-next", lambda out: save_mtp_qwen3_next(drafter, out, qwen_module), held))
+    else:
+        exports.append(("export-qwen3-next", None, why))
+    return exports

@@ -103,8 +103,10 @@ def test_sglang_vllm_keys_shapes_and_config_match_reference(meta_8b):
     )
     assert {k: cfg[k] for k in expected} == expected
     assert cfg["rope_scaling"]["rope_type"] == "llama3"  # the target's rope survives the export
-    # HF index 2, 16, 29 for Llama-3.1-8B = "before layer" ids (REFERENCE.md)
-    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 16, 29], "use_aux_hidden_state": True}
+    # taps on the outputs of layers 1, 15, 28 of Llama-3.1-8B (= HF hidden-state indices 2, 16, 29, REFERENCE.md):
+    # SGLang reads eagle_config as after-layer ids and adds 1 itself; vLLM reads the top-level key as before-layer ids
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 15, 28], "use_aux_hidden_state": True}
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 16, 29]
 
 
 def test_speculators_keys_and_config(meta_8b):

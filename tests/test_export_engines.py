@@ -14,10 +14,14 @@ Sources (stored snapshots read for this file):
          configs/model_config.py (_config_draft_model)
   FasterDecoding/Medusa medusa/model/medusa_model.py; TensorRT-LLM tensorrt_llm/models/medusa/weight.py,
          examples/medusa/convert_checkpoint.py
+  EAGLE-3 capture rules: vLLM vllm/model_executor/models/llama.py (LlamaModel.forward, set_aux_hidden_state_layers),
+         vllm/transformers_utils/configs/speculators/algos.py (update_eagle3); SGLang python/sglang/srt/models/llama.py
+         (LlamaModel.forward, LlamaForCausalLM.set_eagle3_layers_to_capture), model_executor/model_runner.py
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -38,11 +42,13 @@ from transformers import (
 from transformers.modeling_layers import MtpModel
 
 from infer.mtp_proposer import input_signal
-from models.eagle3 import Eagle3Drafter
+from models.eagle3 import Eagle3Drafter, read_checkpoint_config
 from models.export import (
     FASTERDECODING_HEADS,
-    medusa_fasterdecoding_limits,
+    medusa_original_refusal,
+    medusa_original_state_dict,
     mtp_deepseek_refusal,
+    mtp_engine_exports,
     mtp_qwen3_next_refusal,
     save_medusa_original,
     save_medusa_vllm,
@@ -50,6 +56,7 @@ from models.export import (
     save_mtp_qwen3_next,
     save_sglang,
     save_speculators,
+    sglang_config,
 )
 from models.medusa import MedusaDrafter
 from models.mtp import MTPDrafter
@@ -57,6 +64,7 @@ from models.target import TargetModel
 from tests.conftest import tiny_llama
 
 V, H = 97, 32
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------------------------- targets
@@ -358,6 +366,33 @@ def test_deepseek_export_refusals(deepseek, tiny_target, tmp_path):
     assert not (tmp_path / "e").exists()
 
 
+def test_training_writes_the_one_module_folders_of_a_multi_module_drafter(deepseek, qwen3_next, tiny_target, tmp_path):
+    """What train/mtp.py writes (`mtp_engine_exports`): a drafter with D = 2 modules gets each family's one-module
+    folder, holding module 0, and the line the training log prints says so; other families get the reason instead."""
+    two = _perturbed(MTPDrafter.from_target(deepseek, num_modules=2))
+    (name, write, what), (other, none, why) = mtp_engine_exports(two)
+    assert (name, other, none) == ("export-deepseek", "export-qwen3-next", None) and "qwen3_next targets only" in why
+    assert "module 0 of the drafter's 2" in what and "every draft step" in what
+    out = write(tmp_path / name)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1  # SGLang's NextN loader asserts it; vLLM builds one module
+    state, N = load_file(str(out / "model-mtp.safetensors")), deepseek.num_layers
+    assert sglang_nextn_names(state, config)  # the folder SGLang loads
+    assert all(k.startswith(f"model.layers.{N}.") for k in state)  # one module, at layer N
+    assert torch.equal(state[f"model.layers.{N}.eh_proj.weight"], two.layers[0].eh_proj.weight)  # the first one
+    assert torch.equal(state[f"model.layers.{N}.hnorm.weight"], two.layers[0].hnorm.weight)
+
+    two = _perturbed(MTPDrafter.from_target(qwen3_next, num_modules=2))
+    (_, none, why), (name, write, what) = mtp_engine_exports(two)
+    assert none is None and "deepseek_v3 targets only" in why and "module 0 of the drafter's 2" in what
+    state = load_file(str(write(tmp_path / name) / "model.safetensors"))
+    assert torch.equal(state["mtp.fc.weight"], two.layers[0].eh_proj.weight)
+
+    one = mtp_engine_exports(MTPDrafter.from_target(deepseek))  # D = 1: the module itself
+    assert one[0][1] is not None and one[0][2] == "the drafter's one module"
+    assert [w for _, w, _ in mtp_engine_exports(MTPDrafter.from_target(tiny_target))] == [None, None]  # Llama
+
+
 # --------------------------------------------------------------------------------------- MTP: Qwen3-Next
 def qwen3_next_shapes(cfg: Qwen3NextConfig) -> dict[str, tuple[int, ...]]:
     """What vLLM's Qwen3NextMTP loads (qwen3_next_mtp.py: mtp.* -> model.*, plus every name containing embed_tokens
@@ -547,6 +582,53 @@ def test_vllm_medusa_export_holds_what_vllm_loads(named_target, tmp_path):
     assert '"num_speculative_tokens": 3' in (out / "README.md").read_text()
 
 
+class _VllmMedusa(nn.Module):
+    """vllm/model_executor/models/medusa.py, as the config builds it: ``num_heads`` ResidualBlocks of
+    ``num_hidden_layers`` Linear layers (bias from ``medusa_fc_bias``), each ``x = x + SiLU(layer(x))``, then one
+    ParallelLMHead per head (``original_lm_head`` false) over ``truncated_vocab_size`` ids."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        hidden, bias = config["hidden_size"], config["medusa_fc_bias"]
+        # blocks.{h}.layers.{j} and lm_heads.{h}: the names vLLM's load_weights looks the checkpoint's tensors up by
+        self.blocks = nn.ModuleList(nn.Module() for _ in range(config["num_heads"]))
+        for block in self.blocks:
+            block.layers = nn.ModuleList(
+                nn.Linear(hidden, hidden, bias=bias) for _ in range(config["num_hidden_layers"])
+            )
+        self.lm_heads = nn.ModuleList(
+            nn.Linear(hidden, config["truncated_vocab_size"], bias=False) for _ in range(config["num_heads"])
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for block, lm_head in zip(self.blocks, self.lm_heads):
+            x = hidden_states
+            for layer in block.layers:
+                x = x + nn.functional.silu(layer(x))
+            out.append(lm_head(x))
+        return out
+
+
+def test_vllm_medusa_heads_compute_ours_on_the_hidden_state_vllm_feeds(named_target, tmp_path):
+    """vLLM feeds Medusa the target model's output (v1/worker/gpu_model_runner.py propose_draft_token_ids:
+    ``target_hidden_states=hidden_states`` for method medusa), and its LlamaModel.forward returns the output of the
+    final norm: the hidden state our heads read in training (TargetOutput.last_hidden). Head k's top-1 is the k-th
+    draft after the target's own next token (v1/spec_decode/medusa.py: ``logit.argmax`` per head, in head order),
+    the token t+2+k our head k is trained on."""
+    drafter = _medusa(named_target, heads=3, layers=2)
+    out = save_medusa_vllm(drafter, tmp_path / "vllm")
+    vllm = _VllmMedusa(vllm_medusa_config(json.loads((out / "config.json").read_text())))
+    vllm.load_state_dict(load_file(str(out / "model.safetensors")), strict=True)  # every parameter, nothing else
+    ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        fed = named_target.hf_model(ids, output_hidden_states=True).hidden_states[-1]  # LlamaModel's output (normed)
+        trained_on = named_target(ids).last_hidden
+        assert torch.equal(fed, trained_on)
+        for k, logits in enumerate(vllm(fed)):
+            torch.testing.assert_close(logits, drafter.head_logits(k, trained_on), rtol=0, atol=1e-6)
+
+
 class _FasterDecodingResBlock(nn.Module):
     """medusa_model.py's ResBlock: x + SiLU(Linear(x)) (its parameter names are what the .pt keys address)."""
 
@@ -609,33 +691,49 @@ def test_original_medusa_export_is_what_fasterdecoding_and_tensorrt_llm_open(nam
         trtllm_medusa_reads(state, num_medusa_heads=4, num_medusa_layers=1)
     readme = (out / "README.md").read_text()
     assert "--num_medusa_heads 3 --num_medusa_layers 1" in readme and "medusa_choices" in readme
-    assert medusa_fasterdecoding_limits(drafter) == []
+    assert medusa_original_refusal(drafter) is None
 
 
-def test_original_medusa_export_says_what_fasterdecoding_gets_wrong(named_target, tmp_path):
+def test_original_medusa_layout_refused_where_fasterdecoding_cannot_build_the_heads(named_target, tmp_path):
+    """medusa_model.py builds `[ResBlock(hidden)] * medusa_num_layers` (one module repeated), always 5 heads (loaded
+    with strict=False), and only for llama / mistral bases: those drafters get the reason and no folder."""
     deep = _medusa(named_target, heads=2, layers=2)
-    out = save_medusa_original(deep, tmp_path / "deep")
-    state = torch.load(out / "medusa_lm_head.pt", weights_only=True)
+    state = medusa_original_state_dict(deep)  # what the layout would hold
     heads = _fasterdecoding_heads(2)
     heads.load_state_dict(state, strict=False)
     hidden = torch.randn(4, H)
     with torch.no_grad():  # the shared ResBlock ends up holding block 1's weights for both layers
         assert not torch.allclose(heads[0](hidden), deep.head_logits(0, hidden))
-    assert torch.equal(trtllm_medusa_reads(state, 2, 2)["1.1.linear.weight"], deep.blocks[1][1].linear.weight)
-    assert "one module repeated" in (out / "README.md").read_text()
     many = _medusa(named_target, heads=6, layers=1)
-    assert any("dropped" in why for why in medusa_fasterdecoding_limits(many))
+    qwen = _medusa(named_target, heads=2, layers=1)
+    qwen.target_info = dataclasses.replace(qwen.target_info, target_architectures=["Qwen2ForCausalLM"])
+    for drafter, why in (
+        (deep, "cannot build 2 ResBlocks per head: it builds `[ResBlock(hidden)] * medusa_num_layers`"),
+        (many, "cannot build 6 heads: it builds 5 whatever the config says and loads with strict=False"),
+        (qwen, "serves llama and mistral bases only (it raises otherwise); this target is ['Qwen2ForCausalLM']"),
+    ):
+        assert why in medusa_original_refusal(drafter) and "serve in vLLM (export-vllm)" in medusa_original_refusal(
+            drafter
+        )
+        with pytest.raises(ValueError, match=re.escape(why)):
+            save_medusa_original(drafter, tmp_path / "refused")
+        assert not (tmp_path / "refused").exists()
+        assert save_medusa_vllm(drafter, tmp_path / f"vllm-{id(drafter)}").exists()  # vLLM builds them all
+    five = _medusa(named_target, heads=5, layers=1)
+    assert medusa_original_refusal(five) is None and save_medusa_original(five, tmp_path / "five").exists()
     nameless = _medusa(named_target, heads=2, layers=1)
     nameless.target_info = None
     with pytest.raises(ValueError, match="base_model_name_or_path"):
         save_medusa_original(nameless, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
     assert (save_medusa_original(nameless, tmp_path / "y", base_model_name_or_path="org/base") / "config.json").exists()
 
 
 # ------------------------------------------------------------------------------------------------ EAGLE-3
 @pytest.fixture(scope="module")
 def eagle3_drafter():
-    target = TargetModel(tiny_llama(vocab=64, layers=4, seed=0), aux_layer_ids=[0, 1, 3], name_or_path="tiny")
+    # taps on layers 0, 1, 3 of 5 (none on the last layer, which no engine captures: it is no layer's input)
+    target = TargetModel(tiny_llama(vocab=64, layers=5, seed=0), aux_layer_ids=[0, 1, 3], name_or_path="tiny")
     drafter = Eagle3Drafter.from_target(target, draft_vocab_size=16)
     used = torch.sort(torch.randperm(64, generator=torch.Generator().manual_seed(0))[:16]).values
     t2d = torch.zeros(64, dtype=torch.bool)
@@ -694,12 +792,14 @@ def test_eagle3_sglang_export_holds_what_both_engines_load(eagle3_drafter, tmp_p
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["tie_word_embeddings"] is False and config["draft_vocab_size"] == 16
     assert config["target_hidden_size"] == H and config["hidden_size"] == H and config["vocab_size"] == 64
-    aux = [1, 2, 4]  # ours [0, 1, 3] + 1: "before layer" ids
-    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}  # SGLang
-    assert config["eagle_aux_hidden_state_layer_ids"] == aux  # vLLM gpu_model_runner reads the top-level key
+    # SGLang: eagle_config holds after-layer ids, ours (set_eagle3_layers_to_capture adds 1); vLLM: the top-level key
+    # holds before-layer ids, ours + 1 (what each engine then captures: the test below)
+    after, before = [0, 1, 3], [1, 2, 4]
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": after, "use_aux_hidden_state": True}
+    assert config["eagle_aux_hidden_state_layer_ids"] == before
     assert config["norm_before_residual"] is False  # vLLM llama_eagle3.py: residual = h, hidden_norm after
     parsed = LlamaConfig.from_pretrained(out)
-    assert parsed.eagle_aux_hidden_state_layer_ids == aux and parsed.eagle_config["use_aux_hidden_state"] is True
+    assert parsed.eagle_aux_hidden_state_layer_ids == before and parsed.eagle_config["use_aux_hidden_state"] is True
     state = load_file(str(out / "model.safetensors"))
     assert not any("embed_tokens" in k for k in state)  # vLLM's draft (PP 1) has no embed_tokens parameter
     assert vllm_eagle3_names(state) == {f"model.layers.0.{k}" for k in LAYER} | {
@@ -733,3 +833,133 @@ def test_eagle3_speculators_export_fields_vllm_reads(eagle3_drafter, tmp_path):
     state = load_file(str(out / "model.safetensors"))
     assert "layers.0.self_attn.q_proj.weight" in state and not any(k.startswith("midlayer.") for k in state)
     assert re.search(r'"num_speculative_tokens"', (out / "README.md").read_text())
+
+
+# ------------------------------------------------------------------- EAGLE-3: the features each engine feeds
+def vllm_capture_layers(config: dict, num_layers: int) -> tuple[int, ...]:
+    """vLLM, vllm/v1/worker/gpu_model_runner.py ``_get_eagle3_aux_layers_from_config`` (vllm-project/vllm, read at
+    000fc94b; at 4e179065 only the first branch exists): the draft config's top-level
+    ``eagle_aux_hidden_state_layer_ids`` when non-empty, else ``eagle_config``'s list, taken as they are; with neither,
+    the target's default, vllm/model_executor/models/llama.py ``get_eagle3_aux_hidden_state_layers``:
+    (2, N // 2, N - 3). The runner hands them to ``set_aux_hidden_state_layers``."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return tuple(ids) if ids else (2, num_layers // 2, num_layers - 3)
+
+
+def vllm_config_from_speculators(config: dict) -> dict:
+    """vLLM, vllm/transformers_utils/configs/speculators/algos.py ``update_eagle3``: the fields of the draft config
+    vLLM builds from a speculators one (``eagle_aux_hidden_state_layer_ids`` copied to its top level when set)."""
+    built = {"draft_vocab_size": config.get("draft_vocab_size")}
+    built["norm_before_residual"] = config.get("norm_before_residual", True)
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        built["eagle_aux_hidden_state_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"]
+    return built
+
+
+def sglang_capture_layers(config: dict, num_layers: int) -> list[int]:
+    """SGLang: python/sglang/srt/model_executor/model_runner.py (EAGLE3 target worker) takes
+    ``eagle_config["eagle_aux_hidden_state_layer_ids"]`` from the draft config (None when that fails) and calls the
+    target's ``set_eagle3_layers_to_capture``; python/sglang/srt/models/llama.py (LlamaForCausalLM, sgl-project/sglang
+    bf7a0e23): None -> [2, N // 2, N - 3], else ``[val + 1 for val in layer_ids]`` ("for the ith layer, it takes the
+    output of the (i-1)th layer"). It never reads the top-level key."""
+    try:
+        ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    except (KeyError, TypeError):
+        ids = None
+    if ids is None:
+        return [2, num_layers // 2, num_layers - 3]
+    return [val + 1 for val in ids]
+
+
+def engine_llama_features(hf_model: nn.Module, input_ids: torch.Tensor, layers_to_capture) -> torch.Tensor:
+    """Both engines' target forward, LlamaModel.forward (vLLM vllm/model_executor/models/llama.py; SGLang
+    python/sglang/srt/models/llama.py): walking the decoder layers in order, before running layer i it appends
+    ``hidden_states + residual`` (the residual stream entering layer i) when i is in the capture list; the drafter gets
+    the captures concatenated on the hidden dim in that order (vLLM propose_draft_token_ids: ``torch.cat([h[...] for h
+    in aux_hidden_states], dim=-1)``; SGLang's logits processor the same). Replayed on the HF model: the residual
+    stream entering HF decoder layer i is that layer's ``hidden_states`` input."""
+    captured = []
+
+    def before(i: int):
+        def hook(module, args, kwargs):
+            if i in layers_to_capture:
+                captured.append(args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
+    handles = [
+        layer.register_forward_pre_hook(before(i), with_kwargs=True) for i, layer in enumerate(hf_model.model.layers)
+    ]
+    try:
+        with torch.no_grad():
+            hf_model(input_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.cat(captured, dim=-1)
+
+
+@pytest.mark.parametrize("aux", [[0, 2, 3], [1, 2, 4]])
+def test_eagle3_exports_feed_each_engine_the_features_the_drafter_was_trained_on(aux, tmp_path):
+    """The drafter's fc was trained on TargetOutput.aux_hidden (models/target.py: the outputs of layers ``aux``,
+    concatenated). Each engine's own capture rule, applied to the exported config on the same target, must hand it
+    exactly those tensors: SGLang (eagle_config, + 1), vLLM (top-level key) and vLLM through the speculators format."""
+    N = 6
+    target = TargetModel(tiny_llama(vocab=64, layers=N, seed=1), aux_layer_ids=aux, name_or_path="tiny")
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=16)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trained_on = target(ids).aux_hidden
+    sglang_folder = json.loads((save_sglang(drafter, tmp_path / "sglang") / "config.json").read_text())
+    speculators = json.loads((save_speculators(drafter, tmp_path / "spec") / "config.json").read_text())
+    captures = {
+        "SGLang": sglang_capture_layers(sglang_folder, N),
+        "vLLM": vllm_capture_layers(sglang_folder, N),
+        "vLLM (speculators)": vllm_capture_layers(vllm_config_from_speculators(speculators), N),
+    }
+    for engine, layers in captures.items():
+        assert torch.equal(engine_llama_features(target.hf_model, ids, layers), trained_on), engine
+    assert captures["SGLang"] == list(captures["vLLM"]) == [k + 1 for k in aux]  # the inputs of layers k + 1
+    # the check can fail: before-layer ids in eagle_config (the earlier export) make SGLang add 1 again and feed the
+    # outputs of layers k + 1; without the top-level key vLLM would take eagle_config's after-layer ids as its own
+    # before-layer ids and feed the outputs of layers k - 1
+    shifted = dict(sglang_folder, eagle_config={"eagle_aux_hidden_state_layer_ids": [k + 1 for k in aux]})
+    assert sglang_capture_layers(shifted, N) == [k + 2 for k in aux]
+    fed = engine_llama_features(target.hf_model, ids, sglang_capture_layers(shifted, N))
+    # the outputs of layers k + 1: silently other features while k + 2 < N ([0, 2, 3]), fewer features (a shape error
+    # at load) when one of them is past the last layer ([1, 2, 4])
+    assert fed.shape != trained_on.shape or not torch.allclose(fed, trained_on)
+
+    no_top = {k: v for k, v in sglang_folder.items() if k != "eagle_aux_hidden_state_layer_ids"}
+    assert vllm_capture_layers(no_top, N) == tuple(aux)
+
+
+def test_eagle3_export_refuses_taps_out_of_layer_order(tmp_path):
+    """The engines concatenate their captures in layer order; fc was trained on the order of ``aux_layer_ids``."""
+    target = TargetModel(tiny_llama(vocab=64, layers=6, seed=1), aux_layer_ids=[4, 1, 2], name_or_path="tiny")
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=16)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    fed = engine_llama_features(target.hf_model, ids, [5, 2, 3])  # what either engine would capture: 2, 3, 5
+    with torch.no_grad():
+        assert not torch.equal(fed, target(ids).aux_hidden)
+    for save in (save_sglang, save_speculators):
+        with pytest.raises(ValueError, match=r"not in ascending order.*concatenate them in layer order"):
+            save(drafter, tmp_path / save.__name__)
+        assert not (tmp_path / save.__name__).exists()
+
+
+def test_shipped_eagle3_export_is_what_the_exporter_writes():
+    """models/smollm2_eagle3/export-sglang/config.json is `sglang_config` of the shipped drafter (bf16): SmolLM2's
+    30 layers, trained on the outputs of layers [1, 14, 26]; SGLang reads [1, 14, 26] and captures before layers
+    2, 15, 27, as vLLM does from [2, 15, 27]."""
+    folder = ROOT / "models" / "smollm2_eagle3"
+    cfg, info = read_checkpoint_config(folder)
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(cfg, info).to(torch.bfloat16)
+    shipped = json.loads((folder / "export-sglang" / "config.json").read_text())
+    assert shipped == sglang_config(drafter)
+    assert info.aux_layer_ids == shipped["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    N = info.target_num_layers
+    assert sglang_capture_layers(shipped, N) == list(vllm_capture_layers(shipped, N)) == [2, 15, 27]

@@ -107,15 +107,22 @@ def test_exports_follow_the_vllm_and_original_key_maps(tiny_target, tmp_path):
     # FasterDecoding opens base_model_name_or_path and medusa_lm_head.pt (a torch pickle); this target has no name
     with pytest.raises(ValueError, match="base_model_name_or_path"):
         save_medusa_original(heads, tmp_path / "orig")
-    save_medusa_original(heads, tmp_path / "orig", base_model_name_or_path="org/tiny")
-    assert set(torch.load(tmp_path / "orig" / "medusa_lm_head.pt", weights_only=True)) == set(original)
+    # two ResBlocks per head: FasterDecoding builds one module repeated, so that layout is refused and nothing written
+    with pytest.raises(ValueError, match="cannot build 2 ResBlocks per head"):
+        save_medusa_original(heads, tmp_path / "orig", base_model_name_or_path="org/tiny")
+    assert not (tmp_path / "orig").exists()
+    one = _trained_like(MedusaDrafter.from_target(tiny_target, num_heads=2, num_layers=1, shared_head=True))
+    save_medusa_original(one, tmp_path / "orig", base_model_name_or_path="org/tiny")
+    written = torch.load(tmp_path / "orig" / "medusa_lm_head.pt", weights_only=True)
+    want = {f"{h}.0.linear.{w}" for h in range(2) for w in ("weight", "bias")} | {"0.1.weight", "1.1.weight"}
+    assert set(written) == set(medusa_original_state_dict(one)) == want
     meta = json.loads((tmp_path / "orig" / "config.json").read_text())
     assert (
         meta["medusa_num_heads"] == 2
-        and meta["medusa_num_layers"] == 2
+        and meta["medusa_num_layers"] == 1
         and meta["base_model_name_or_path"] == "org/tiny"
     )
-    assert "--num_medusa_heads 2 --num_medusa_layers 2" in (tmp_path / "orig" / "README.md").read_text()
+    assert "--num_medusa_heads 2 --num_medusa_layers 1" in (tmp_path / "orig" / "README.md").read_text()
 
 
 def test_head_k_is_trained_on_token_t_plus_2_plus_k_where_that_token_is_a_loss_token():

@@ -35,7 +35,7 @@ from accelerate.utils import set_seed  # noqa: E402
 from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
 from infer.tree_search import best_rank_paths, expected_accepted  # noqa: E402
 from models.config import parse_cli  # noqa: E402
-from models.export import save_medusa_original, save_medusa_vllm  # noqa: E402
+from models.export import medusa_original_refusal, save_medusa_original, save_medusa_vllm  # noqa: E402
 from models.medusa import MedusaDrafter  # noqa: E402
 from models.target import TargetConfig  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
@@ -232,9 +232,13 @@ def main(argv: list[str]) -> None:
     heads.save_pretrained(out, gathered)
     if gathered is not None:  # the sharded module in hand is not the heads: serve the one file just written
         heads = MedusaDrafter.from_pretrained(out, target, tokenizer)
-    if tc.export:
+    if tc.export:  # each engine layout where its loader builds the heads as trained; otherwise the reason
         save_medusa_vllm(heads, out / "export-vllm")
-        save_medusa_original(heads, out / "export-medusa")
+        why = medusa_original_refusal(heads)
+        if why is None:
+            save_medusa_original(heads, out / "export-medusa")
+        else:
+            log(f"export: export-medusa left out: {why}")
     log(
         f"saved {out} (+ exports) after {train_s / 60:.1f} min of training, {(time.time() - t_start) / 60:.1f} min total"
     )

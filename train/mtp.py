@@ -38,12 +38,7 @@ from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
 from infer.mtp_proposer import input_signal  # noqa: E402
 from infer.tree_search import expected_accepted  # noqa: E402
 from models.config import parse_cli  # noqa: E402
-from models.export import (  # noqa: E402
-    mtp_deepseek_refusal,
-    mtp_qwen3_next_refusal,
-    save_mtp_deepseek,
-    save_mtp_qwen3_next,
-)
+from models.export import mtp_engine_exports  # noqa: E402
 from models.mtp import BLOCK_INITS, INPUT_SIGNALS, MTPConfig, MTPDrafter  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
@@ -272,15 +267,13 @@ def main(argv: list[str]) -> None:
     drafter.save_pretrained(out, gathered)
     if gathered is not None:  # the sharded module in hand is not the drafter: serve the one file just written
         drafter = MTPDrafter.from_pretrained(out, target, tokenizer)
-    if tc.export:  # each engine layout where it loads; otherwise the reason (e.g. a Llama target's modules)
-        for name, why, save in (
-            ("export-deepseek", mtp_deepseek_refusal(drafter), save_mtp_deepseek),
-            ("export-qwen3-next", mtp_qwen3_next_refusal(drafter), save_mtp_qwen3_next),
-        ):
-            if why is None:
-                save(drafter, out / name)
+    if tc.export:  # each engine layout where it loads (D > 1: the first module), or the reason it does not
+        for name, write, what in mtp_engine_exports(drafter):
+            if write is None:
+                log(f"export: {name} left out: {what}")
             else:
-                log(f"export: {name} left out: {why}")
+                write(out / name)
+                log(f"export: {name} written: {what}")
     log(
         f"saved {out} (+ exports) after {train_s / 60:.1f} min of training, {(time.time() - t_start) / 60:.1f} min total"
     )

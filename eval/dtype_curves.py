@@ -3,8 +3,8 @@
     python -m eval.dtype_curves [--target smollm2-135m-instruct] [--dtypes float32,bfloat16] [--rows 1,2,4,8,16]
                                 [--prefix 200] [--reps 12] [--out outputs/dtype_curves.json]
 
-The measurements behind a precision decision, in the form issue 23 gives them: GEMM GFLOP/s at n = 512 / 1024 /
-2048 per dtype, and the plain HF forward of the whole target (no kernel routing, no tree mask) after a ``--prefix``
+The measurements behind a precision decision, in the form docs/decisions.md quotes them: GEMM GFLOP/s at n = 512 /
+1024 / 2048 per dtype, and the plain HF forward of the whole target (no kernel routing, no tree mask) after a ``--prefix``
 -token cache at each row count, median of ``--reps``. It prints numbers and writes them; it decides nothing (the
 decision is `models.precision`, which times the target's layer shapes the way the runtime serves them). Where bf16
 is emulated (no avx512_bf16 / amx_bf16) its forwards take seconds: ``--bf16-reps`` keeps that part short.

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--recipe", required=True, help="the recipe that made it (named in the model card)")
-    ap.add_argument("--note", default="", help="one line on how it was made beyond the recipe (resumes, sittings)")
+    ap.add_argument("--note", default="", help="one line on how it was made beyond the recipe (resumed runs, stages)")
     args = ap.parse_args(argv)
     ckpt, out = args.checkpoint, args.out
     out.mkdir(parents=True, exist_ok=True)

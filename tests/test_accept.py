@@ -288,8 +288,8 @@ def test_emitted_tokens() -> None:
 
 
 def test_top_k_siblings_cannot_be_verified_against_the_q_they_were_ranked_by() -> None:
-    """Siblings ranked by top-k are deterministic drafts: verifying them against q biases the output (issue #12's
-    reproduction: chi-squared p = 0). A tree that gives q with a node of several children must declare that they were
+    """Siblings ranked by top-k are deterministic drafts: verifying them against q biases the output (a
+    measured reproduction: chi-squared p = 0). A tree that gives q with a node of several children must declare that they were
     sampled; a chain with q, or top-k siblings without q, needs nothing."""
     q = torch.softmax(torch.randn(1, 4, 7), -1)
     tokens, parents = torch.tensor([[0, 3, 5, 2]]), torch.tensor([[-1, 0, 0, 0]])

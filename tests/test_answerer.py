@@ -73,7 +73,7 @@ def test_a_rerun_answers_only_what_no_shard_holds(tokenizers, tiny_target, tmp_p
     assert not list((tmp_path / "a").glob("*.tmp"))
 
 
-def test_a_sitting_stopped_by_ctrl_c_keeps_its_finished_rows_and_the_rerun_does_the_rest(
+def test_a_run_stopped_by_ctrl_c_keeps_its_finished_rows_and_the_rerun_does_the_rest(
     tokenizers,  # noqa: F811
     tiny_target,  # noqa: F811
     tmp_path,

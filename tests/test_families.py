@@ -33,7 +33,7 @@ def test_prose_keeps_running_text_and_drops_code_lists_markup_and_urls():
         "   assert_stmt ::= 'assert' expression [',' expression] which is the grammar of the statement here",
         "* a bullet item that is long enough to be a paragraph of prose by its number of words alone",
         text + " See https://docs.python.org for the details of this statement and its forms.",
-        ">>> print('an example session that is long enough to pass the word count of the filter')",
+        ">>> print('an example transcript that is long enough to pass the word count of the filter')",
         "too short",
     ):
         assert _prose(bad) is None, bad

@@ -159,7 +159,7 @@ def test_a_fourth_family_declared_in_a_test_is_loaded_and_reported_like_the_ship
     assert echo["new_tokens"] == echo["vanilla_new_tokens"] == sum(lengths)
     assert echo["tau"] == pytest.approx(sum(lengths) / sum(-(-n // 4) for n in lengths))
     assert "| toy-echo | chain 3 | 0.0 | 1 | fp32 |" in (tmp_path / "report" / "report.md").read_text()
-    # every row and the report say what precision and machine the numbers come from (issue 23)
+    # every row and the report say what precision and machine the numbers come from
     for r in rows:
         assert (
             r["dtype"] == r["drafter_dtype"] == "float32" and r["vanilla_dtype"] in r["vanilla_tokens_per_s_by_dtype"]

@@ -2,8 +2,8 @@
 leads to, on every machine.
 
 The three kinds are simulated by their /proc/cpuinfo and a timer of the workload, so every branch runs wherever the
-suite does: no native bf16 (bf16 emulated, ~100x slower: never timed), AVX-512-BF16 without AMX, and AMX (the Xeon of
-issue 23, whose SmolLM2 curves are used below). ``$DRAFTERS_CPU_BF16=fast`` forces the automatic answer, so the
+suite does: no native bf16 (bf16 emulated, ~100x slower: never timed), AVX-512-BF16 without AMX, and AMX (an Intel Xeon
+with AMX, whose measured SmolLM2 curves are used below). ``$DRAFTERS_CPU_BF16=fast`` forces the automatic answer, so the
 integration tests run the bf16 target, bf16 autocast, an engine under bf16 and the report's certificate in bf16
 wherever the suite runs (tiny models keep that cheap where bf16 is slow). Tests that compare numbers pin fp32
 instead (tests/conftest.py `tiny_run_args`)."""
@@ -34,8 +34,8 @@ EPYC = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx avx2 fma\n"
 AVX512_BF16 = "model name\t: AMD EPYC 9R14\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
 AMX = "model name\t: Intel(R) Xeon(R) Platinum 8488C\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
 
-# SmolLM2-135M-Instruct on the AMX Xeon (issue 23: plain HF forward after a 200-token prefix, median of 12), ms
-# (its prefill is not among issue 23's facts: AMX GEMMs run 6-30x faster in bf16, so bf16's is set below fp32's)
+# SmolLM2-135M-Instruct on the AMX Xeon (measured there: plain HF forward after a 200-token prefix, median of 12), ms
+# (its prefill was not measured: AMX GEMMs run 6-30x faster in bf16 there, so bf16's is set below fp32's)
 AMX_CURVES = {
     "float32": {PREFILL: 400.0, 1: 44.3, 2: 45.5, 4: 65.4, 8: 76.3, 16: 85.1},
     "bfloat16": {PREFILL: 150.0, 1: 41.7, 2: 44.4, 4: 43.8, 8: 46.3, 16: 50.2},
@@ -107,7 +107,7 @@ def test_a_cheap_bf16_step_does_not_win_a_request_whose_bf16_prefill_is_slow(mea
 
 
 def test_on_amx_serving_picks_bf16_from_the_verify_sizes_not_one_matmul(measured):
-    """Issue 23's Xeon: one token costs the same in both dtypes, verifying 8 costs 1.7 steps in fp32 and 1.1 in
+    """The AMX Xeon: one token costs the same in both dtypes, verifying 8 costs 1.7 steps in fp32 and 1.1 in
     bf16: speculation pays most in bf16, and bf16 is also vanilla's fastest dtype there."""
     c = choose("serve", timer=_interpolated(AMX_CURVES), cpuinfo=AMX)
     assert (c.dtype, c.vanilla_dtype, c.source) == ("bfloat16", "bfloat16", "measured")

@@ -243,7 +243,7 @@ def answer(
     try:
         if mine:
             decode_continuous(target, submit, on_done, params, stop, cfg.batch_size, cfg.refill)
-    finally:  # a sitting stopped by Ctrl-C (or a crash) keeps its finished rows and still says how fast it went
+    finally:  # a run stopped by Ctrl-C (or a crash) keeps its finished rows and still says how fast it went
         flush(1)
         bar.close()
         seconds = time.time() - t0

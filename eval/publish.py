@@ -154,7 +154,7 @@ KV-cached loop or HF `generate`), answers stopping at EOS, every method interlea
 ## How to load
 
 In drafters: `drafters report --drafter <this folder>` measures it;
-`infer.family.load_drafter("<this folder>", target, tokenizer)` loads it for `infer.generate.generate_speculative`.
+`infer.families.load_drafter("<this folder>", target, tokenizer)` loads it for `infer.generate.generate_speculative`.
 
 {load or "No engine export was written for this drafter."}
 

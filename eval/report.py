@@ -6,9 +6,9 @@
 
 Measures, on held-out prompts (``eval.prompts``; every answer stops at the target's EOS) and in one process with
 interleaved runs (``eval.measure``): vanilla decoding, HF ``generate``, prompt lookup, the drafter in the settings its
-family declares (``infer.family``: e.g. EAGLE-3's chain and EAGLE-2 tree, Medusa's chain and static tree, MTP's
-chain, reuse past D and top-k tree), the drafters named in ``compare`` the same way, and (when given) a small draft
-model with the chain and tree settings; writes ``report.json`` + ``report.md`` with rows for all prompts and for each
+family declares (``infer.family``; the families are listed in ``infer.families``: e.g. EAGLE-3's chain and EAGLE-2
+tree, Medusa's chain and static tree, MTP's chain, reuse past D and top-k tree), the drafters named in ``compare``
+the same way, and (when given) a small draft model with the chain and tree settings; writes ``report.json`` + ``report.md`` with rows for all prompts and for each
 category. The report never names a family: it reads their declarations.
 
 The recipe entry points pass what only train/ can build (the ``eval_data`` samples of ``prompt_source=eval_data``),
@@ -50,7 +50,8 @@ from eval.measure import (
 )
 from eval.prompts import CATEGORIES, builtin_prompts, encode_turns, load_prompt_file
 from infer.batch_policy import BatchAwareProposer
-from infer.family import ChainSizer, family_of, load_drafter
+from infer.families import FAMILIES, family_of, load_drafter
+from infer.family import ChainSizer, DrafterFamily
 from infer.generate import generate_vanilla
 from infer.hybrid import HybridProposer
 from infer.proposer import Proposer
@@ -66,12 +67,15 @@ from models.target import TargetConfig, TargetModel, load_tokenizer
 PROMPT_SOURCES = ("builtin", "stdlib", "eval_data")
 DEFAULT_PROMPTS = 16
 """Prompts per built-in category (and of the stdlib / eval_data sources) when ``report.prompts`` is None."""
+FAMILY_OPTIONS = tuple(fam.report_options for fam in FAMILIES if fam.report_options is not None)
+"""The shipped families' own report settings (``DrafterFamily.report_options``), whose fields ReportConfig takes."""
 
 
 @dataclass
-class ReportConfig:
-    """What the closing report measures. Every family reads the generic settings (``infer.family.ReportSettings``);
-    a field read by one family only says which."""
+class ReportConfig(*FAMILY_OPTIONS):
+    """What the closing report measures. Every family reads the generic settings below
+    (``infer.family.ReportSettings``); a setting only one family reads is a field of that family's
+    ``report_options``, which this class inherits (documented and checked there)."""
 
     enabled: bool = True
     """Run the report at the end of training (the ``report`` mode runs it regardless)."""
@@ -108,9 +112,6 @@ class ReportConfig:
     """EAGLE-2 dynamic tree depth."""
     tree_total_tokens: int = 16
     """Tree nodes per verify forward, root included (0 leaves the tree out)."""
-    mtp_top_k: int = 2
-    """Read by the MTP family (infer/mtp_proposer.py): its tree, the chain plus the next top_k - 1 candidates of
-    every depth as leaves (1 + D·top_k nodes); 1 leaves it out."""
     draft_model: str | None = "cut"
     """The small draft-model baseline, in every report unless null: a folder of a distilled draft model (HF causal
     LM sharing the tokenizer, e.g. what train/draft_model.py writes); "cut", or a folder that does not exist yet: the
@@ -120,9 +121,6 @@ class ReportConfig:
     fp32_certificate: bool = True
     """Where the target is served below fp32, re-run every lossless method at T = 0 on an fp32 copy of the target for
     ``greedy_identical_fp32`` (eval.measure.fp32_pass; about one more T = 0 pass in fp32)."""
-    typical_acceptance: bool = False
-    """Read by the Medusa family (infer/medusa_proposer.py): also measure each Medusa drafter's chain with Medusa's
-    typical acceptance (lossy: such rows are labelled "(lossy)" and have no identity check)."""
     hf_assisted: bool = False
     """Also time HF's own assisted generation at batch 1, the outside peer: ``prompt_lookup_num_tokens=10`` and, when
     the report has a draft model, ``assistant_model`` (rows without τ: HF reports no rounds)."""
@@ -163,10 +161,13 @@ class ReportConfig:
             raise ValueError("chain_k must be >= 0 and tree_total_tokens 0 or >= 2")
         if self.chain_k == 0 and self.tree_total_tokens == 0:
             raise ValueError("the report needs a chain (chain_k > 0) or a tree (tree_total_tokens > 0)")
-        if self.mtp_top_k < 1 or self.hybrid_lookup < 0 or not 0 <= self.hybrid_alone_match <= 3:
-            raise ValueError("mtp_top_k must be >= 1, hybrid_lookup >= 0 and hybrid_alone_match in 0..3")
+        if self.hybrid_lookup < 0 or not 0 <= self.hybrid_alone_match <= 3:
+            raise ValueError("hybrid_lookup must be >= 0 and hybrid_alone_match in 0..3")
         if any(b < 1 for b in self.batch_sizes) or any(t < 0 for t in self.temperatures):
             raise ValueError("batch sizes must be >= 1 and temperatures >= 0")
+        for options in FAMILY_OPTIONS:
+            if "__post_init__" in vars(options):
+                options.__post_init__(self)
 
     @property
     def tree(self) -> DynamicTreeConfig:
@@ -222,11 +223,12 @@ def candidates(
     sizers: list[ChainSizer] | None = None,
     target: TargetModel | None = None,
     log: Callable[[str], None] = print,
+    families: tuple[DrafterFamily, ...] = FAMILIES,
 ) -> list[Candidate]:
-    """The report's proposers: for each drafter the settings its family declares (``infer.family``), then the draft
-    model's. ``sizers[i](make, longest) -> k`` picks drafter i's chain length on this machine (the last one sizes
-    the draft model's chain; None, or chain_from_cost_curve off: the longest). ``target``: where the undistilled
-    draft-model cut comes from."""
+    """The report's proposers: for each drafter the settings its family declares (``infer.family``; the family is
+    looked up in ``families``), then the draft model's. ``sizers[i](make, longest) -> k`` picks drafter i's chain
+    length on this machine (the last one sizes the draft model's chain; None, or chain_from_cost_curve off: the
+    longest). ``target``: where the undistilled draft-model cut comes from."""
 
     def longest(make: Callable[[int], Proposer], k: int) -> int:
         return k
@@ -234,7 +236,7 @@ def candidates(
     sizers = sizers if sizers is not None and cfg.chain_from_cost_curve else [longest] * (len(drafters) + 1)
     out = []
     for i, (drafter, size) in enumerate(zip(drafters, sizers)):
-        fam = family_of(drafter)
+        fam = family_of(drafter, families)
         settings = fam.report_proposers(drafter, cfg, size)
         for s in settings:
             out.append(Candidate(fam.method, s.setting, s.make, s.spec))
@@ -293,19 +295,20 @@ def run_report(
     notes: str = "",
     log: Callable[[str], None] = print,
     drafter_dir: str | Path | None = None,
+    families: tuple[DrafterFamily, ...] = FAMILIES,
 ) -> list[dict]:
-    """Measure ``drafter`` (any registered family) and ``cfg.compare`` and write report.json / report.md into
-    ``out_dir``; returns the result rows. ``eval_set``: tokenised samples (``input_ids``, ``loss_mask``) for
+    """Measure ``drafter`` (of any family in ``families``) and ``cfg.compare`` and write report.json / report.md
+    into ``out_dir``; returns the result rows. ``eval_set``: tokenised samples (``input_ids``, ``loss_mask``) for
     ``prompt_source=eval_data``. ``drafter_dir``: the drafter's checkpoint folder (default ``out_dir``), whose
     held-out acceptance anchors the chain sizing."""
-    method = family_of(drafter).method  # before any compute: an undeclared drafter class fails here
+    method = family_of(drafter, families).method  # before any compute: an undeclared drafter class fails here
     prior, _ = heldout_acceptance(drafter_dir or out_dir)
     target, vanilla_target = serving_targets(target, prior, log)
     prompts, prompt_set = report_prompts(cfg, tokenizer, target, eval_set)
     if not prompts:
         raise ValueError(f"report: the prompt set ({prompt_set}) gave no prompts")
     drafters = [drafter.to(target.device).eval()]
-    drafters += [load_drafter(path, target, tokenizer).eval() for path in cfg.compare]
+    drafters += [load_drafter(path, target, tokenizer, families).eval() for path in cfg.compare]
     folders = [drafter_dir or out_dir, *cfg.compare, None]  # the last sizes the draft model: no checkpoint prior
     log(
         f"report: {len(prompts)} prompts ({prompt_set}), up to {cfg.max_new_tokens} new tokens (stop at EOS), "
@@ -320,7 +323,7 @@ def run_report(
                 choose_vanilla_loop(t, ids, cfg.max_new_tokens / 2, log)  # and the batch-1 vanilla loop
     tree_sizing = None
     if cfg.chain_from_cost_curve and cfg.tree_total_tokens:
-        cfg, tree_sizing = _sized_tree(target, drafters, cfg, ids, eos, log, vanilla_target)
+        cfg, tree_sizing = _sized_tree(target, drafters, cfg, ids, eos, log, vanilla_target, families)
     chains: list[tuple[str, Callable[[int], Proposer], ChainSizing]] = []
 
     def sizer(folder: str | Path | None, proposer: str) -> ChainSizer:
@@ -333,8 +336,8 @@ def run_report(
 
         return size
 
-    names = [family_of(d).method for d in drafters] + ["draft model"]
-    measured = candidates(drafters, cfg, [sizer(f, n) for f, n in zip(folders, names)], target, log)
+    names = [family_of(d, families).method for d in drafters] + ["draft model"]
+    measured = candidates(drafters, cfg, [sizer(f, n) for f, n in zip(folders, names)], target, log, families)
     neighbours = _chain_neighbours(measured, chains) if cfg.chain_neighbours else []
     batch_sizing = None
     if cfg.batch_auto and any(b > 1 for b in cfg.batch_sizes) and chains:
@@ -423,13 +426,13 @@ def _dtype_of(module: torch.nn.Module) -> str:
 
 
 def _sized_tree(
-    target, drafters, cfg: ReportConfig, ids, eos, log, baseline: TargetModel | None = None
+    target, drafters, cfg: ReportConfig, ids, eos, log, baseline: TargetModel | None = None, families=FAMILIES
 ) -> tuple[ReportConfig, TreeSizing | None]:
     """``cfg`` with the EAGLE-2 tree chosen on this machine (`size_tree`) from the first drafter whose family measures
     the report's dynamic tree, and how it was chosen; unchanged and None when none does (their trees are their own:
     static, top-k)."""
     for drafter in drafters:
-        fam = family_of(drafter)
+        fam = family_of(drafter, families)
 
         def make(tree: DynamicTreeConfig, fam=fam, drafter=drafter) -> Proposer:
             settings = dataclasses.replace(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from infer.attention import drop_holes
-from infer.family import ChainSizer, DrafterFamily, ProposerSetting, ReportSettings, register
+from infer.family import ChainSizer, DrafterFamily, ProposerSetting, ReportSettings
 from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
@@ -252,4 +252,4 @@ def report_proposers(drafter: Eagle3Drafter, settings: ReportSettings, size: Cha
     return out
 
 
-FAMILY = register(DrafterFamily(Eagle3Drafter, lambda drafter: Eagle3Proposer.signal, report_proposers))
+FAMILY = DrafterFamily(Eagle3Drafter, lambda drafter: Eagle3Proposer.signal, report_proposers)

@@ -11,11 +11,12 @@ typical acceptance, lossy, when the runtime is asked for it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from infer.family import ChainSizer, DrafterFamily, ProposerSetting, ReportSettings, register
+from infer.family import ChainSizer, DrafterFamily, ProposerSetting, ReportSettings
 from infer.generate import SpecConfig
 from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.proposer import Proposer, TargetSignal
@@ -89,12 +90,19 @@ class MedusaProposer(Proposer):
 # --- the family ----------------------------------------------------------------------------------
 
 
+@dataclass
+class MedusaReportOptions:
+    """The report settings Medusa reads beyond the generic ones (eval.report.ReportConfig takes these fields)."""
+
+    typical_acceptance: bool = False
+    """Also measure each Medusa drafter's chain with Medusa's typical acceptance (lossy: such rows are labelled
+    "(lossy)" and have no identity check)."""
+
+
 class MedusaReportSettings(ReportSettings, Protocol):
-    """The report settings Medusa reads beyond the generic ones (fields of eval.report.ReportConfig)."""
+    """What Medusa's report rows read: the generic settings and `MedusaReportOptions`."""
 
     typical_acceptance: bool
-    """Also measure the chain with Medusa's typical acceptance (lossy: such rows are labelled "(lossy)" and have no
-    identity check)."""
 
 
 def report_proposers(drafter: MedusaDrafter, settings: MedusaReportSettings, size: ChainSizer) -> list[ProposerSetting]:
@@ -114,4 +122,4 @@ def report_proposers(drafter: MedusaDrafter, settings: MedusaReportSettings, siz
     return out
 
 
-FAMILY = register(DrafterFamily(MedusaDrafter, lambda drafter: MedusaProposer.signal, report_proposers))
+FAMILY = DrafterFamily(MedusaDrafter, lambda drafter: MedusaProposer.signal, report_proposers, MedusaReportOptions)

@@ -22,12 +22,13 @@ tree drafts are deterministic, verified as one-hot q.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from infer.attention import drop_holes
-from infer.family import ChainSizer, DrafterFamily, ProposerSetting, ReportSettings, register
+from infer.family import ChainSizer, DrafterFamily, ProposerSetting, ReportSettings
 from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
@@ -190,12 +191,23 @@ class MTPProposer(Proposer):
 # --- the family ----------------------------------------------------------------------------------
 
 
+@dataclass
+class MTPReportOptions:
+    """The report settings MTP reads beyond the generic ones (eval.report.ReportConfig takes these fields)."""
+
+    mtp_top_k: int = 2
+    """MTP's tree: the chain plus the next top_k - 1 candidates of every depth as leaves (1 + D·top_k nodes); 1
+    leaves it out."""
+
+    def __post_init__(self) -> None:
+        if self.mtp_top_k < 1:
+            raise ValueError(f"mtp_top_k must be >= 1, got {self.mtp_top_k}")
+
+
 class MTPReportSettings(ReportSettings, Protocol):
-    """The report settings MTP reads beyond the generic ones (fields of eval.report.ReportConfig)."""
+    """What MTP's report rows read: the generic settings and `MTPReportOptions`."""
 
     mtp_top_k: int
-    """The tree: the chain plus the next top_k - 1 candidates of every depth as leaves (1 + D·top_k nodes); 1 leaves
-    it out."""
 
 
 def report_proposers(drafter: MTPDrafter, settings: MTPReportSettings, size: ChainSizer) -> list[ProposerSetting]:
@@ -213,4 +225,4 @@ def report_proposers(drafter: MTPDrafter, settings: MTPReportSettings, size: Cha
     return out
 
 
-FAMILY = register(DrafterFamily(MTPDrafter, input_signal, report_proposers))
+FAMILY = DrafterFamily(MTPDrafter, input_signal, report_proposers, MTPReportOptions)

@@ -6,7 +6,7 @@ against the target before any weight is read, so a drafter never runs on a targe
 
 The block's ``method`` names the drafter family that wrote it: each drafter class declares its own (``method``, e.g.
 ``models.eagle3.Eagle3Drafter.method``) and writes it at save time. This module accepts any method name; which ones
-are known is the business of the family declarations (infer/family.py), and `infer.family.load_drafter` refuses an
+are known is the business of the family declarations (infer/families.py), and `infer.families.load_drafter` refuses an
 unknown one, naming the known ones, when the checkpoint is loaded.
 """
 
@@ -130,7 +130,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict, TargetInfo]:
     if "method" not in block:
         raise ValueError(
             f"{config_path}: its 'drafters' block names no method (every checkpoint drafters writes has one); add "
-            '"method": the family that wrote it (infer.family.FAMILIES lists the known ones)'
+            '"method": the family that wrote it (infer.families.FAMILIES lists the known ones)'
         )
     raw.pop("architectures", None)
     return raw, from_dict(TargetInfo, block)

@@ -172,7 +172,7 @@ def read_checkpoint_config(path: str | Path) -> tuple[Eagle3Config, TargetInfo]:
     raw, info = read_checkpoint(path)
     if info.method != METHOD:
         raise ValueError(
-            f"{path}: not an {METHOD} checkpoint (method={info.method!r}); infer.family.load_drafter reads any"
+            f"{path}: not an {METHOD} checkpoint (method={info.method!r}); infer.families.load_drafter reads any"
         )
     return from_dict(Eagle3Config, raw), info
 

@@ -1,7 +1,7 @@
 """What loading a drafter checkpoint needs before its family is known: the method its ``drafters`` block names, and
 the target it runs on (with a jointly trained target's changes applied).
 
-The drafter itself is loaded by `infer.family.load_drafter`, which maps the method to the family's class: families
+The drafter itself is loaded by `infer.families.load_drafter`, which maps the method to the family's class: families
 declare themselves beside their proposers (infer/), and models/ imports nothing above it.
 """
 

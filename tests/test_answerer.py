@@ -12,7 +12,7 @@ from infer.sampling import SamplingParams
 from models.target import TargetModel
 from tests.test_data import backend, tiny_target, tokenizers  # noqa: F401 (fixtures)
 from train.answerer import AnswerConfig, Job, answer, answer_stop_ids, read_shards
-from train.data import render
+from train.chat_render import render
 
 QUESTIONS = ["hello there", "what is it", "a much longer question about many things", "why", "tell me more please"]
 
@@ -317,7 +317,7 @@ def test_steered_requests_are_sampled_continuously_filtered_and_resumed(tokenize
     the opener plus the target's text, duplicates and unfinished ones are dropped, and a rerun keeps what is on disk
     and samples only the rest (the decoder is a stand-in that answers from a script)."""
     import train.chat_data as chat_data
-    from train.data import end_of_turn_token_ids
+    from train.chat_render import end_of_turn_token_ids
     from train.families import OPENERS
 
     tok = tokenizers["reference"]

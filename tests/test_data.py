@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eval.stdlib_corpus import SourceFile  # noqa: E402
+from train.chat_render import end_of_turn_token_ids  # noqa: E402
 from train.data import (  # noqa: E402
     SKIP_REASONS,
     DataConfig,
@@ -21,7 +22,6 @@ from train.data import (  # noqa: E402
     build_stdlib_samples,
     collate,
     detect_format,
-    end_of_turn_token_ids,
     packed_attention_mask,
     regenerate_dataset,
 )

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infer.family import load_drafter
+from infer.families import load_drafter
 from infer.generate import generate_speculative, generate_vanilla
 from infer.medusa_proposer import MedusaProposer
 from infer.sampling import SamplingParams
@@ -24,7 +24,7 @@ from models.export import (
 from models.medusa import MedusaConfig, MedusaDrafter
 from models.target import TargetModel
 from tests.conftest import run_to_end, tiny_llama, tiny_run_args
-from train.losses import medusa_head_targets, rank_hits
+from train.losses import position_targets, rank_hits
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -128,14 +128,14 @@ def test_exports_follow_the_vllm_and_original_key_maps(tiny_target, tmp_path):
 def test_head_k_is_trained_on_token_t_plus_2_plus_k_where_that_token_is_a_loss_token():
     ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
     mask = torch.tensor([[0, 0, 0, 1, 1, 1]])
-    positions, labels = medusa_head_targets(ids, mask, head=0)
+    positions, labels = position_targets(ids, mask, position=0)
     assert positions.tolist() == [[False, True, True, True, False, False]]
     assert labels[positions].tolist() == [13, 14, 15]
-    positions, labels = medusa_head_targets(ids, mask, head=2)
+    positions, labels = position_targets(ids, mask, position=2)
     assert positions.tolist() == [[True, True, False, False, False, False]] and labels[positions].tolist() == [14, 15]
     # packed rows: a label from the next sample is never a target
     sample_ids = torch.tensor([[0, 0, 0, 0, 1, 1]])
-    positions, _ = medusa_head_targets(ids, mask, head=0, sample_ids=sample_ids)
+    positions, _ = position_targets(ids, mask, position=0, sample_ids=sample_ids)
     assert positions.tolist() == [[False, True, False, False, False, False]]
     logits = torch.tensor([[0.1, 0.9, 0.5], [0.8, 0.1, 0.5], [0.2, 0.3, 0.1]])
     assert rank_hits(logits, torch.tensor([1, 2, 0]), 3).tolist() == [1, 2, 0]  # ranks 0, 1, 1

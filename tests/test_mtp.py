@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.family import family_of, load_drafter
+from infer.families import family_of, load_drafter
 from infer.generate import generate_speculative, generate_vanilla
 from infer.mtp_proposer import MTPProposer
 from infer.proposer import TargetSignal

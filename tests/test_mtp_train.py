@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from infer.family import load_drafter
+from infer.families import load_drafter
 from infer.mtp_proposer import input_signal
 from models.checkpoint import read_checkpoint
 from models.config import ConfigError, load_config

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from infer.family import load_drafter
+from infer.families import load_drafter
 from models.mtp import MTPDrafter
 
 

@@ -43,7 +43,7 @@ from eval.measure import prepare_target, stop_ids  # prepare_target: the entry p
 from infer.generate import decode_continuous
 from infer.sampling import SamplingParams
 from models.target import TargetModel
-from train.data import end_of_turn_token_ids, render
+from train.chat_render import end_of_turn_token_ids, render
 
 
 @dataclass

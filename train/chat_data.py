@@ -45,7 +45,7 @@ from infer.generate import decode_continuous
 from infer.sampling import SamplingParams
 from models.target import TargetModel
 from train.answerer import AnswerConfig, Job, answer, rank_and_world, read_shards
-from train.data import end_of_turn_token_ids, render
+from train.chat_render import end_of_turn_token_ids, render
 from train.families import (
     FAMILIES,
     KIND_FAMILY,

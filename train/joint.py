@@ -25,7 +25,7 @@ from models.loader import load_target
 from models.target import TargetModel, TargetOutput
 from train.features import target_forward
 from train.loop import TrainConfig, eval_batches
-from train.losses import medusa_head_targets
+from train.losses import position_targets
 from train.optim import adamw
 
 LM_LOSSES = ("ce", "kl")
@@ -179,7 +179,7 @@ def quality(
     target.eval()
     loss, agree, count = (torch.zeros((), device=accelerator.device) for _ in range(3))
     for batch in eval_batches(accelerator, tc, eval_set, pad_id):
-        positions, labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)  # token t+1
+        positions, labels = position_targets(batch["input_ids"], batch["loss_mask"], -1)  # token t+1
         logits = target_forward(target, batch).logits[positions].float()
         loss += F.cross_entropy(logits, labels[positions], reduction="sum")
         agree += (logits.argmax(-1) == original_logits(target, original, batch)[positions].argmax(-1)).sum()

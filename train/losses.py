@@ -112,15 +112,17 @@ def simulated_tau(alphas: list[float]) -> float:
     return tau
 
 
-def medusa_head_targets(
-    input_ids: torch.Tensor, loss_mask: torch.Tensor, head: int, sample_ids: torch.Tensor | None = None
+def position_targets(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, position: int, sample_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions [B, T] bool, labels [B, T]) of Medusa head ``head`` (0-based): at position t it predicts token
-    t+2+head, trained where that token is a loss token of the same sample (Cai et al. 2024, Medusa-1 loss)."""
-    labels = shift_left(input_ids, 2 + head, 0)
-    positions = shift_left(loss_mask.bool(), 2 + head, False)
+    """(positions [B, T] bool, labels [B, T]) of draft position ``position`` (0-based: a Medusa head, an MTP depth):
+    at token t it predicts token t+2+position, trained where that token is a loss token of the same sample (Cai et
+    al. 2024, the Medusa-1 loss; the same targets for MTP's depths); ``position`` -1 gives the next token t+1 (the
+    target's own language-model loss)."""
+    labels = shift_left(input_ids, 2 + position, 0)
+    positions = shift_left(loss_mask.bool(), 2 + position, False)
     if sample_ids is not None:
-        positions &= shift_left(sample_ids, 2 + head, -1) == sample_ids
+        positions &= shift_left(sample_ids, 2 + position, -1) == sample_ids
     return positions, labels
 
 
@@ -134,7 +136,7 @@ def position_losses(
     logits: list[torch.Tensor], targets: list[tuple[torch.Tensor, torch.Tensor]], weights: list[float]
 ) -> dict[str, torch.Tensor]:
     """Σ_k weights[k] · CE_k over draft positions k (a Medusa head, an MTP depth): ``logits[k]`` [N_k, V] at the
-    positions of ``targets[k]`` = (positions [B, T] bool, labels [B, T]), e.g. from `medusa_head_targets`.
+    positions of ``targets[k]`` = (positions [B, T] bool, labels [B, T]), e.g. from `position_targets`.
     Returns the weighted loss (scalar) and, per position, its mean loss (detached), top-1 correct and count."""
     loss = logits[0].new_zeros((), dtype=torch.float32)
     each, correct, count = [], [], []

@@ -55,7 +55,7 @@ from train.loop import (  # noqa: E402
     start_training,
     to_device,
 )
-from train.losses import medusa_head_targets, rank_hits, simulated_tau  # noqa: E402
+from train.losses import position_targets, rank_hits, simulated_tau  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
 
 
@@ -128,7 +128,7 @@ def evaluate(accelerator, target, model: MedusaDrafter, eval_set, cfg: MedusaRec
     count = torch.zeros(K, device=accelerator.device)
     for batch in eval_batches(accelerator, cfg.train, eval_set, pad_id):
         hidden = final_hidden(target, batch)
-        targets = [medusa_head_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)]
+        targets = [position_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)]
         logits = model([hidden[positions] for positions, _ in targets])  # forward: FSDP gathers its shards there
         for k, (positions, labels) in enumerate(targets):
             hits[k] += rank_hits(logits[k], labels[positions], R)
@@ -206,7 +206,7 @@ def main(argv: list[str]) -> None:
         name="medusa",
         positions=K,
         position_loss="head_loss",
-        targets=lambda batch: [medusa_head_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)],
+        targets=lambda batch: [position_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)],
         frozen_logits=frozen_logits,
         batch_of=lambda ids: to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device),
         num_samples=len(samples),

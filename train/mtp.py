@@ -60,7 +60,7 @@ from train.loop import (  # noqa: E402
     start_training,
     to_device,
 )
-from train.losses import medusa_head_targets, rank_hits, simulated_tau  # noqa: E402
+from train.losses import position_targets, rank_hits, simulated_tau  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
 
 
@@ -143,7 +143,7 @@ def run_modules(drafter: MTPDrafter, target_hidden: torch.Tensor, batch: dict, p
 def depth_targets(batch: dict, D: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(positions, labels) of every depth: depth d at t predicts token t+2+d, a loss token of the same sample."""
     sample_ids = attention_masks(batch)[2]
-    return [medusa_head_targets(batch["input_ids"], batch["loss_mask"], d, sample_ids) for d in range(D)]
+    return [position_targets(batch["input_ids"], batch["loss_mask"], d, sample_ids) for d in range(D)]
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from train.checkpoint import save_training_state
 from train.joint import JointRun, lm_loss, quality
 from train.loop import Progress, TrainConfig, epoch_batch, record
-from train.losses import medusa_head_targets, position_losses
+from train.losses import position_losses, position_targets
 
 Targets = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -83,7 +83,7 @@ def train_positions(
         with accelerator.accumulate(model), accelerator.autocast():  # no all-reduce before the boundary
             lm = torch.zeros((), device=accelerator.device)
             if joint is not None:
-                lm_pos, lm_labels = medusa_head_targets(batch["input_ids"], batch["loss_mask"], -1)  # token t+1
+                lm_pos, lm_labels = position_targets(batch["input_ids"], batch["loss_mask"], -1)  # token t+1
                 lm_logits, logits = model(batch, positions, lm_pos, train_target)
                 if train_target:
                     lm = lm_loss(

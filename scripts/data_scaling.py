@@ -1,0 +1,160 @@
+"""The data-scaling curve of one EAGLE-3 training run: for each snapshot (``<run>/snapshots/step-N``, written by
+``train.snapshot_steps``) and the final checkpoint, the tokens it has read, its held-out acceptance per draft
+position (teacher-forced, the training evaluation) and its served τ and acceptance per position on a prompt file
+(greedy chain in the verify runtime, answers stopping at EOS or the cap).
+
+    python -m scripts.data_scaling --config recipes/smollm2-135m/eagle3-text.yaml \
+        --prompts eval/prompts/specbench_unseen.jsonl --out docs/data_scaling [--extra shipped=models/smollm2_eagle3]
+
+τ and acceptance do not depend on timing, so this may run beside other work; speedups come from the report
+(`train/eagle3.py report`), which times every row against vanilla in one quiet run. Results are appended to
+``<out>/curve.json`` one checkpoint at a time (a checkpoint already there is not measured again), then the table
+``<out>/curve.md`` and the plot ``<out>/curve.png`` are drawn from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eval.measure import alpha_of, stop_ids
+from eval.prompts import chat_ids, load_prompt_file
+from infer.eagle3_proposer import Eagle3Proposer
+from infer.generate import generate_speculative
+from infer.sampling import SamplingParams
+from models.config import parse_cli
+from models.eagle3 import Eagle3Drafter
+from train.eagle3 import Eagle3RecipeConfig, evaluate
+from train.loop import epoch_batch, load_target_and_data, make_accelerator, sample_lengths, schedule
+
+
+def tokens_read(cfg: Eagle3RecipeConfig, train_set, step: int) -> tuple[int, int]:
+    """(tokens, loss tokens) of the micro-batches a run of this recipe reads in its first ``step`` optimizer steps
+    (one process; the order is the loop's own, seeded)."""
+    tc = cfg.train
+    lengths = sample_lengths(train_set) if tc.group_by_length else None
+    per_epoch, _, _ = schedule(tc, len(train_set), 1)
+    tokens = loss_tokens = 0
+    for micro in range(step * tc.grad_accum):
+        for i in epoch_batch(len(train_set), micro, per_epoch, tc.seed, 0, 1, tc.batch_size, lengths):
+            tokens += len(train_set[i]["input_ids"])
+            loss_tokens += sum(train_set[i]["loss_mask"])
+    return tokens, loss_tokens
+
+
+def served(target, drafter, tokenizer, prompts, k: int, max_new_tokens: int) -> dict:
+    """Greedy chain-k decoding of every prompt's first turn: τ (bonus included) and α per position."""
+    stops = stop_ids(tokenizer, target.model)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    stats, by_category = [], {}
+    for p in prompts:
+        ids = chat_ids(tokenizer, [{"role": "user", "content": p.turns[0]}])
+        out = generate_speculative(target, Eagle3Proposer(drafter, k=k), [ids], params, stops)
+        stats.append(out.stats)
+        by_category.setdefault(p.category, []).append(out.stats)
+    tau = sum(s.new_tokens for s in stats) / max(1, sum(s.row_forwards for s in stats))
+    per_cat = {
+        c: sum(s.new_tokens for s in v) / max(1, sum(s.row_forwards for s in v)) for c, v in by_category.items()
+    }
+    stopped = sum(1 for s in stats if s.new_tokens < max_new_tokens)
+    return {"tau": tau, "alpha": alpha_of(stats), "tau_by_category": per_cat, "stopped_at_eos": stopped}
+
+
+def draw(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = sorted((r for r in rows if r.get("tokens")), key=lambda r: r["tokens"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    x = [r["tokens"] / 1e6 for r in curve]
+    depth = max(len(r["heldout_alpha"]) for r in curve)
+    for k in range(depth):
+        left.plot(x, [r["heldout_alpha"][k] for r in curve], marker="o", label=f"position {k + 1}")
+    left.set(xscale="log", xlabel="training tokens read (M)", ylabel="held-out top-1 agreement", ylim=(0, 1))
+    left.set_title("held-out acceptance per draft position\n(teacher-forced)")
+    left.legend(fontsize=8)
+    right.plot(x, [r["served"]["tau"] for r in curve], marker="o", color="k", label="this run")
+    for r in rows:
+        if not r.get("tokens"):
+            right.axhline(r["served"]["tau"], ls="--", lw=1, color="gray")
+            right.annotate(r["name"], (x[0], r["served"]["tau"]), fontsize=8, va="bottom")
+    for xi, r in zip(x, curve):
+        right.annotate(f"{r['served']['tau']:.2f}", (xi, r["served"]["tau"]), fontsize=8, va="bottom")
+    right.set(xscale="log", xlabel="training tokens read (M)", ylabel="τ (tokens per verify, bonus included)")
+    right.set_title("served τ, greedy chain, unseen prompt file")
+    fig.tight_layout()
+    fig.savefig(out / "curve.png", dpi=120)
+
+
+def table(rows: list[dict], meta: dict) -> str:
+    depth = max(len(r["served"]["alpha"]) for r in rows)
+    head = ["checkpoint", "tokens read", "loss tokens", *(f"held-out α{k + 1}" for k in range(depth))]
+    head += ["served τ", *(f"served α{k + 1}" for k in range(depth)), "answers at EOS"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: r.get("tokens") or 0):
+        cells = [r["name"], f"{r['tokens']:,}" if r.get("tokens") else "—"]
+        cells += [f"{r['loss_tokens']:,}" if r.get("loss_tokens") else "—"]
+        cells += [f"{a:.2f}" for a in r["heldout_alpha"]] + [""] * (depth - len(r["heldout_alpha"]))
+        cells += [f"{r['served']['tau']:.2f}"] + [f"{a:.2f}" for a in r["served"]["alpha"]]
+        cells += [f"{r['served']['stopped_at_eos']}/{meta['prompts']}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="the run's recipe (its output_dir holds the snapshots)")
+    parser.add_argument("--prompts", required=True, help="Spec-Bench-format file (first turns are decoded)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--chain", type=int, default=4, help="draft tokens per verify")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--heldout-samples", type=int, default=128)
+    parser.add_argument("--extra", action="append", default=[], help="NAME=DIR: another checkpoint beside the run")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
+    args = parser.parse_args(argv)
+    cfg = parse_cli(Eagle3RecipeConfig, ["--config", args.config, *args.overrides, "report.enabled=false"])
+    cfg.train.eval_samples = args.heldout_samples
+    run = Path(cfg.train.output_dir)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    accelerator, log = make_accelerator(cfg.train, target=cfg.target)
+    tokenizer, pad_id, target, _, train_set, eval_set = load_target_and_data(cfg, accelerator, log, None)
+    prompts = load_prompt_file(args.prompts)
+    meta = {"prompts": len(prompts), "file": args.prompts, "chain": args.chain, "max_new_tokens": args.max_new_tokens}
+    store = out / "curve.json"
+    rows = json.loads(store.read_text())["rows"] if store.exists() else []
+    done = {r["name"] for r in rows}
+    checkpoints = sorted(run.glob("snapshots/step-*"), key=lambda p: int(p.name.split("-")[1]))
+    todo = [(p.name, p, int(p.name.split("-")[1])) for p in checkpoints]
+    if (run / "model.safetensors").exists():
+        todo.append(("final", run, json.loads((run / "state" / "step.json").read_text())["step"]))
+    todo += [(name, Path(d), None) for name, d in (e.split("=", 1) for e in args.extra)]
+    for name, path, step in todo:
+        if name in done:
+            continue
+        t0 = time.time()
+        drafter = Eagle3Drafter.from_pretrained(path, target, tokenizer).to(accelerator.device)
+        row = {"name": name, "path": str(path), "step": step}
+        if step is not None:
+            row["tokens"], row["loss_tokens"] = tokens_read(cfg, train_set, step)
+        row["heldout_alpha"] = evaluate(accelerator, target, drafter, eval_set, cfg, pad_id)["eval/acc"]
+        with torch.inference_mode():
+            row["served"] = served(target, drafter, tokenizer, prompts, args.chain, args.max_new_tokens)
+        rows.append(row)
+        store.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        log(f"{name}: τ {row['served']['tau']:.2f}, held-out α {[round(a, 2) for a in row['heldout_alpha']]} "
+            f"({time.time() - t0:.0f} s)")
+    (out / "curve.md").write_text(table(rows, meta))
+    draw(rows, out)
+    print(table(rows, meta))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

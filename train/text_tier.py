@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+from models.reference import sha256_of
 from train.families import shingles
 
 SOURCES = {
@@ -91,14 +92,6 @@ def fetch(download_dir: Path) -> dict[str, Path]:
             subprocess.run(cmd, check=True)
         paths[name] = path
     return paths
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def bigbench_task(archive: tarfile.TarFile, task: str) -> list[dict]:
@@ -261,7 +254,7 @@ def build(out: Path, download_dir: Path, seed: int = 0) -> dict:
         for path, batch in files.items():
             write_jsonl_gz(path, batch)
     manifest = {
-        "sources": {name: {"package": SOURCES[name][0], "sha256": sha256(p)} for name, p in paths.items()},
+        "sources": {name: {"package": SOURCES[name][0], "sha256": sha256_of(p)} for name, p in paths.items()},
         "counts": counts,
         "sources_per_family": dict(Counter(f"{r['family']}<-{r['source'].split('/')[0]}" for v in rows.values() for r in v)),
     }

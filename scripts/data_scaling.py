@@ -133,8 +133,12 @@ def main(argv: list[str]) -> None:
     done = {r["name"] for r in rows}
     checkpoints = sorted(run.glob("snapshots/step-*"), key=lambda p: int(p.name.split("-")[1]))
     todo = [(p.name, p, int(p.name.split("-")[1])) for p in checkpoints]
-    if (run / "model.safetensors").exists():
-        todo.append(("final", run, json.loads((run / "state" / "step.json").read_text())["step"]))
+    # The run's own folder holds the final checkpoint only once the run has finished; while it trains, its state
+    # has moved past the weights saved there, so the folder is measured only when its step is the last one.
+    state = run / "state" / "step.json"
+    last = json.loads(state.read_text())["step"] if state.exists() else None
+    if (run / "model.safetensors").exists() and last == cfg.train.max_steps and f"step-{last}" not in done:
+        todo.append((f"step-{last}", run, last))
     todo += [(name, Path(d), None) for name, d in (e.split("=", 1) for e in args.extra)]
     for name, path, step in todo:
         if name in done:

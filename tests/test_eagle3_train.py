@@ -60,7 +60,7 @@ def test_epoch_batches_partition_each_global_batch_across_ranks():
 def test_length_grouped_batches_are_disjoint_across_ranks_and_pad_less():
     """`train.group_by_length`: every epoch still gives each rank disjoint samples (the same sample count), the
     order replays on resume, and a batch's samples have similar lengths (less padding than the random order)."""
-    from train.loop import GROUP_MEGABATCH
+    from train.schedule import GROUP_MEGABATCH
 
     n, world, bs = 1000, 2, 4
     per_epoch = n // (world * bs)

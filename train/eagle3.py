@@ -32,27 +32,17 @@ from models.eagle3 import Eagle3Drafter  # noqa: E402
 from models.export import save_sglang, save_speculators  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
+from train.config import TrainConfig  # noqa: E402
 from train.data import DataConfig  # noqa: E402
+from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage  # noqa: E402
 from train.features import attention_masks, target_signals  # noqa: E402
-from train.loop import (  # noqa: E402
-    Progress,
-    TrainConfig,
-    epoch_batch,
-    eval_batches,
-    feature_source,
-    full_state,
-    load_target_and_data,
-    make_accelerator,
-    record,
-    report_mode,
-    sample_lengths,
-    stamp_heldout,
-    start_training,
-    to_device,
-)
+from train.loop import feature_source, load_target_and_data, start_training  # noqa: E402
 from train.losses import eagle3_ttt_loss, simulated_tau, ttt_targets  # noqa: E402
 from train.optim import adamw  # noqa: E402
+from train.progress import Progress, record, stamp_heldout  # noqa: E402
+from train.report_mode import report_mode  # noqa: E402
+from train.schedule import epoch_batch, eval_batches, sample_lengths, to_device  # noqa: E402
 from train.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled  # noqa: E402
 
 
@@ -196,7 +186,7 @@ def main(argv: list[str]) -> None:
     # ---- optimizer, schedule, resume, the sharding this run really got
     optimizer = adamw(drafter, tc.lr, tc.weight_decay)
     lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
-    drafter, optimizer, per_epoch, total_steps, warmup, step = start_training(
+    plan = start_training(
         accelerator,
         cfg,
         drafter,
@@ -209,12 +199,15 @@ def main(argv: list[str]) -> None:
     )
 
     # ---- training-time-test loop
+    drafter, optimizer = plan.model, plan.optimizer
     model = accelerator.unwrap_model(drafter)
     k = cfg.drafter.ttt_steps
-    progress = Progress(accelerator, tc, total_steps, warmup, step, k, "eagle3", position_loss="step_loss")
-    micro = step * tc.grad_accum
-    while progress.step < total_steps:
-        ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
+    progress = Progress(
+        accelerator, tc, plan.total_steps, plan.warmup, plan.start_step, k, "eagle3", position_loss="step_loss"
+    )
+    micro = plan.start_step * tc.grad_accum
+    while progress.step < plan.total_steps:
+        ids = epoch_batch(len(samples), micro, plan.per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
         batch = to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device)
         aux, last_hidden = target_signals(target, batch)
         allowed, positions, sample_ids = attention_masks(batch)

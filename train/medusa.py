@@ -39,24 +39,17 @@ from models.export import medusa_original_refusal, save_medusa_original, save_me
 from models.medusa import MedusaDrafter  # noqa: E402
 from models.target import TargetConfig  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
+from train.config import TrainConfig  # noqa: E402
 from train.data import DataConfig  # noqa: E402
+from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.features import final_hidden  # noqa: E402
 from train.joint import JointConfig, save_target_changes, served, trained_modules  # noqa: E402
-from train.loop import (  # noqa: E402
-    TrainConfig,
-    eval_batches,
-    feature_source,
-    full_state,
-    load_target_and_data,
-    make_accelerator,
-    report_mode,
-    sample_lengths,
-    stamp_heldout,
-    start_training,
-    to_device,
-)
+from train.loop import feature_source, load_target_and_data, start_training  # noqa: E402
 from train.losses import position_targets, rank_hits, simulated_tau  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
+from train.progress import stamp_heldout  # noqa: E402
+from train.report_mode import report_mode  # noqa: E402
+from train.schedule import eval_batches, sample_lengths, to_device  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -191,7 +184,7 @@ def main(argv: list[str]) -> None:
     )
     lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
     before = joint_run.before if joint_run else None  # the quality guard's baseline
-    model, optimizer, *plan = start_training(
+    plan = start_training(
         accelerator, cfg, model, optimizer, len(samples), log, "medusa", before=before, lengths=lengths
     )
 
@@ -214,12 +207,12 @@ def main(argv: list[str]) -> None:
         evaluate=lambda: evaluate(accelerator, target, heads, eval_set, cfg, pad_id),
     )
     step, train_s, last_eval = train_positions(
-        accelerator, tc, task, model, optimizer, plan, lengths, log, joint_run, eval_set is not None
+        accelerator, tc, task, plan, lengths, log, joint_run, eval_set is not None
     )
 
     # ---- save: resumable state, the target's changes (Medusa-2), checkpoint with its static tree, engine exports
     save_training_state(accelerator, out, {"step": step}, tc.keep_states)
-    gathered = full_state(accelerator, model)  # ZeRO-3 / FSDP: the whole set of heads, on the main process
+    gathered = full_state(accelerator, plan.model)  # ZeRO-3 / FSDP: the whole set of heads, on the main process
     accelerator.end_training()
     if not accelerator.is_main_process:
         return

@@ -42,26 +42,20 @@ from models.export import mtp_engine_exports  # noqa: E402
 from models.mtp import BLOCK_INITS, INPUT_SIGNALS, MTPConfig, MTPDrafter  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
+from train.config import TrainConfig  # noqa: E402
 from train.data import (
     DataConfig,  # noqa: E402
     collate,  # noqa: E402
 )
+from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.features import attention_masks, target_forward  # noqa: E402
 from train.joint import JointConfig, save_target_changes, served, trained_modules  # noqa: E402
-from train.loop import (  # noqa: E402
-    TrainConfig,
-    eval_batches,
-    full_state,
-    load_target_and_data,
-    make_accelerator,
-    report_mode,
-    sample_lengths,
-    stamp_heldout,
-    start_training,
-    to_device,
-)
+from train.loop import load_target_and_data, start_training  # noqa: E402
 from train.losses import position_targets, rank_hits, simulated_tau  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
+from train.progress import stamp_heldout  # noqa: E402
+from train.report_mode import report_mode  # noqa: E402
+from train.schedule import eval_batches, sample_lengths, to_device  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -227,7 +221,7 @@ def main(argv: list[str]) -> None:
     )
     lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
     before = joint_run.before if joint_run else None  # the quality guard's baseline
-    model, optimizer, *plan = start_training(
+    plan = start_training(
         accelerator, cfg, model, optimizer, len(train_set), log, "mtp", before=before, lengths=lengths
     )
 
@@ -252,12 +246,12 @@ def main(argv: list[str]) -> None:
         log_extra=lambda step: {"lambda": mc.weights_at(step)},
     )
     step, train_s, last_eval = train_positions(
-        accelerator, tc, task, model, optimizer, plan, lengths, log, joint_run, eval_set is not None
+        accelerator, tc, task, plan, lengths, log, joint_run, eval_set is not None
     )
 
     # ---- save: resumable state, the target's changes (joint), checkpoint, engine exports
     save_training_state(accelerator, out, {"step": step}, tc.keep_states)
-    gathered = full_state(accelerator, model)  # ZeRO-3 / FSDP: all modules, on the main process
+    gathered = full_state(accelerator, plan.model)  # ZeRO-3 / FSDP: all modules, on the main process
     accelerator.end_training()
     if not accelerator.is_main_process:
         return

@@ -264,7 +264,7 @@ def test_self_distilled_rows_are_the_targets_greedy_continuations(tmp_path, tiny
 
     from infer.generate import generate_vanilla
     from infer.sampling import SamplingParams
-    from train.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled
+    from train.data.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled
 
     features = datasets.Features(
         {"input_ids": datasets.List(datasets.Value("int32")), "loss_mask": datasets.List(datasets.Value("int8"))}

@@ -9,7 +9,8 @@ Top to bottom: parse config → target, tokenizer, data → draft vocabulary + d
 training-time-test loop (EAGLE-3: soft cross-entropy on the draft vocab, step weights 0.8^i, AdamW + warm-up +
 cosine, grad clip) with held-out simulated τ → checkpoint + engine exports → τ / speedup report.
 
-Sharding, schedule, feature source and metrics log are shared with the other recipes (train/loop.py).
+Sharding, schedule, feature source and metrics log are shared with the other recipes (train/loop.py and the modules
+beside it: config, distributed, schedule, progress).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from models.export import save_sglang, save_speculators  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
-from train.data import DataConfig  # noqa: E402
+from train.data.dataset import DataConfig  # noqa: E402
+from train.data.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled  # noqa: E402
 from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage  # noqa: E402
 from train.features import attention_masks, target_signals  # noqa: E402
@@ -43,7 +45,6 @@ from train.optim import adamw  # noqa: E402
 from train.progress import Progress, record, stamp_heldout  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
 from train.schedule import epoch_batch, eval_batches, sample_lengths, to_device  # noqa: E402
-from train.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -80,7 +81,7 @@ class Eagle3RecipeConfig:
     """Held-out data for the simulated τ (None: no held-out evaluation)."""
     report: ReportConfig = field(default_factory=ReportConfig)
     self_distill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
-    """Opt-in for raw-text data: add the target's own continuations of training prompts (train/self_distill.py)."""
+    """Opt-in for raw-text data: add the target's own continuations of training prompts (train/data/self_distill.py)."""
     stdlib_corpus_dir: str | None = None
     """Write the reference corpus (stdlib_{train,heldout}_text.jsonl) here first when missing; data.path and
     eval_data.path may then point into it."""
@@ -154,7 +155,7 @@ def main(argv: list[str]) -> None:
 
     # ---- target, tokenizer, data
     def write_corpus(tokenizer) -> None:
-        from train.data import build_stdlib_samples
+        from train.data.stdlib_samples import build_stdlib_samples
 
         for split in ("train", "heldout"):
             if not (Path(cfg.stdlib_corpus_dir) / f"stdlib_{split}_text.jsonl").exists():

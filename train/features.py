@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from models.target import TargetModel, TargetOutput
-from train.data import collate, packed_attention_mask
+from train.data.dataset import collate, packed_attention_mask
 
 FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 INDEX = "index.json"

@@ -21,7 +21,7 @@ from models.config import save_config, to_dict
 from models.target import TargetModel, load_tokenizer
 from train.checkpoint import load_training_state
 from train.config import TrainConfig
-from train.data import build_dataset, collate
+from train.data.dataset import build_dataset, collate
 from train.distributed import fill_deepspeed_config, optimizer_numel
 from train.features import FeatureCache, cache_is_valid, cache_key, collate_features, write_feature_cache
 from train.optim import set_lr, warmup_cosine

@@ -40,7 +40,7 @@ from models.medusa import MedusaDrafter  # noqa: E402
 from models.target import TargetConfig  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
-from train.data import DataConfig  # noqa: E402
+from train.data.dataset import DataConfig  # noqa: E402
 from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.features import final_hidden  # noqa: E402
 from train.joint import JointConfig, save_target_changes, served, trained_modules  # noqa: E402

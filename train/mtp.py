@@ -43,10 +43,7 @@ from models.mtp import BLOCK_INITS, INPUT_SIGNALS, MTPConfig, MTPDrafter  # noqa
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
-from train.data import (
-    DataConfig,  # noqa: E402
-    collate,  # noqa: E402
-)
+from train.data.dataset import DataConfig, collate  # noqa: E402
 from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.features import attention_masks, target_forward  # noqa: E402
 from train.joint import JointConfig, save_target_changes, served, trained_modules  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datasets
 
 from eval.report import report_main
-from train.data import build_dataset
+from train.data.dataset import build_dataset
 
 
 def report_mode(argv: list[str], recipe_cls: type) -> None:

@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator
 
 from train.config import TrainConfig
-from train.data import collate
+from train.data.dataset import collate
 
 
 @functools.lru_cache(maxsize=2)

@@ -1,7 +1,7 @@
 """The one answerer: the target writes the text its drafter trains on, for every self-distillation path.
 
-Chat data (`train.chat_data`), regeneration of an existing chat dataset (`train.data.regenerate_dataset`,
-``drafters regenerate``) and raw-text continuations (`train.self_distill`) all hand their work here as `Job`s:
+Chat data (`train.data.target_written`), regeneration of an existing chat dataset (`train.data.regenerate`,
+``drafters regenerate``) and raw-text continuations (`train.data.self_distill`) all hand their work here as `Job`s:
 
 - a chat job is a list of *segments*, the system / user messages that come before each answer; the answers are
   written in order, answer k seeing the target's own answers before it (turn-by-turn self-distillation);
@@ -43,7 +43,7 @@ from eval.measure import prepare_target, stop_ids  # prepare_target: the entry p
 from infer.generate import decode_continuous
 from infer.sampling import SamplingParams
 from models.target import TargetModel
-from train.chat_render import end_of_turn_token_ids, render
+from train.data.chat_render import end_of_turn_token_ids, render
 
 
 @dataclass
@@ -353,7 +353,7 @@ def limit_words(counts: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """``python -m train.answerer`` / ``drafters bench-answerer``: answer N training requests and print answer
+    """``python -m train.data.answerer`` / ``drafters bench-answerer``: answer N training requests and print answer
     tokens/s beside this machine's limit for the same work (`machine_limit`: its prefill and decode FLOPs over a
     GEMM-rate probe) and their ratio."""
     import argparse
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument(
-        "--data", default=str(Path(__file__).parent / "shipped_data" / "smollm2-135m-instruct" / "train.jsonl.gz")
+        "--data", default=str(Path(__file__).parents[1] / "shipped_data" / "smollm2-135m-instruct" / "train.jsonl.gz")
     )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=32)

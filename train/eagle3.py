@@ -39,7 +39,7 @@ from train.data.self_distill import SelfDistillConfig, load_self_distilled, writ
 from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage  # noqa: E402
 from train.features import attention_masks, target_signals  # noqa: E402
-from train.loop import feature_source, load_target_and_data, start_training  # noqa: E402
+from train.loop import TrainingPlan, feature_source, load_target_and_data, start_training  # noqa: E402
 from train.losses import eagle3_ttt_loss, simulated_tau, ttt_targets  # noqa: E402
 from train.optim import adamw  # noqa: E402
 from train.progress import Progress, record, stamp_heldout  # noqa: E402
@@ -141,65 +141,39 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
     return {"eval/acc": alphas, "eval/simulated_tau": simulated_tau(alphas)}
 
 
-# ------------------------------------------------------------------------------------------------ main
-def main(argv: list[str]) -> None:
-    if argv and argv[0] == "report":
-        return report_mode(argv[1:], Eagle3RecipeConfig)
-    cfg = parse_cli(Eagle3RecipeConfig, argv)
-    tc = cfg.train
-    out = Path(tc.output_dir)
-    accelerator, log = make_accelerator(tc, target=cfg.target)
+def add_self_distilled(accelerator, cfg: Eagle3RecipeConfig, target, prompt_pool, train_set, pad_id: int, log):
+    """The training set plus the target's own continuations of training prompts (``self_distill``), written once by
+    the main process to ``<output_dir>/self_distill.jsonl`` and read back by every rank."""
+    if cfg.data.packing:
+        raise SystemExit("self_distill adds unpacked samples; it cannot be combined with data.packing")
+    distilled = Path(cfg.train.output_dir) / "self_distill.jsonl"
+    if accelerator.is_main_process and not distilled.exists():
+        write_self_distilled(target, prompt_pool, cfg.self_distill, distilled, pad_id, cfg.train.seed, log)
+    accelerator.wait_for_everyone()
+    extra = load_self_distilled(distilled, train_set.features, cfg.data.cache_dir)
+    train_set = datasets.concatenate_datasets([train_set, extra])
+    log(f"self-distillation: +{len(extra)} target continuations → {len(train_set)} training samples")
+    return train_set
+
+
+# ------------------------------------------------------------------------------------------------ loop
+def train_ttt(
+    accelerator,
+    cfg: Eagle3RecipeConfig,
+    plan: TrainingPlan,
+    target,
+    samples,
+    collate_fn,
+    pad_id: int,
+    lengths,
+    eval_set,
+    log,
+) -> tuple[int, float]:
+    """Training-time test (EAGLE-3): per micro-batch the target's signals, the drafter unrolled ``ttt_steps`` times
+    on its own outputs, the step-weighted soft cross-entropy; at each optimizer step the log line, the held-out
+    evaluation, the resumable state and the snapshots when due. Returns (steps done, training seconds)."""
+    tc, out = cfg.train, Path(cfg.train.output_dir)
     rank, world = accelerator.process_index, accelerator.num_processes
-    set_seed(tc.seed)
-    t_start = time.time()
-
-    # ---- target, tokenizer, data
-    def write_corpus(tokenizer) -> None:
-        from train.data.stdlib_samples import build_stdlib_samples
-
-        for split in ("train", "heldout"):
-            if not (Path(cfg.stdlib_corpus_dir) / f"stdlib_{split}_text.jsonl").exists():
-                log(
-                    f"reference corpus ({split}): {build_stdlib_samples(tokenizer, split, out_dir=cfg.stdlib_corpus_dir)}"
-                )
-
-    prepare = write_corpus if cfg.stdlib_corpus_dir else None
-    tokenizer, pad_id, target, prompt_pool, train_set, eval_set = load_target_and_data(cfg, accelerator, log, prepare)
-    if cfg.self_distill.samples:
-        if cfg.data.packing:
-            raise SystemExit("self_distill adds unpacked samples; it cannot be combined with data.packing")
-        distilled = out / "self_distill.jsonl"
-        if accelerator.is_main_process and not distilled.exists():
-            write_self_distilled(target, prompt_pool, cfg.self_distill, distilled, pad_id, tc.seed, log)
-        accelerator.wait_for_everyone()
-        extra = load_self_distilled(distilled, train_set.features, cfg.data.cache_dir)
-        train_set = datasets.concatenate_datasets([train_set, extra])
-        log(f"self-distillation: +{len(extra)} target continuations → {len(train_set)} training samples")
-
-    # ---- draft vocabulary + drafter
-    drafter = build_drafter(cfg, target, tokenizer, train_set, eval_set, out, log).to(accelerator.device)
-    if accelerator.is_main_process and not (out / "draft_vocab.safetensors").exists():
-        save_file({"d2t": drafter.d2t.cpu(), "t2d": drafter.t2d.cpu()}, str(out / "draft_vocab.safetensors"))
-
-    # ---- features: online (target forward per batch) or offline (cache once, read every epoch)
-    samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
-
-    # ---- optimizer, schedule, resume, the sharding this run really got
-    optimizer = adamw(drafter, tc.lr, tc.weight_decay)
-    lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
-    plan = start_training(
-        accelerator,
-        cfg,
-        drafter,
-        optimizer,
-        len(samples),
-        log,
-        "eagle3",
-        f", ttt {cfg.drafter.ttt_steps}",
-        lengths=lengths,
-    )
-
-    # ---- training-time-test loop
     drafter, optimizer = plan.model, plan.optimizer
     model = accelerator.unwrap_model(drafter)
     k = cfg.drafter.ttt_steps
@@ -236,7 +210,63 @@ def main(argv: list[str]) -> None:
             snapshot = full_state(accelerator, drafter)
             if accelerator.is_main_process:
                 model.save_pretrained(out / "snapshots" / f"step-{progress.step}", snapshot)
-    step, train_s = progress.step, progress.close()
+    return progress.step, progress.close()
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "report":
+        return report_mode(argv[1:], Eagle3RecipeConfig)
+    cfg = parse_cli(Eagle3RecipeConfig, argv)
+    tc = cfg.train
+    out = Path(tc.output_dir)
+    accelerator, log = make_accelerator(tc, target=cfg.target)
+    world = accelerator.num_processes
+    set_seed(tc.seed)
+    t_start = time.time()
+
+    # ---- target, tokenizer, data
+    def write_corpus(tokenizer) -> None:
+        from train.data.stdlib_samples import build_stdlib_samples
+
+        for split in ("train", "heldout"):
+            if not (Path(cfg.stdlib_corpus_dir) / f"stdlib_{split}_text.jsonl").exists():
+                log(
+                    f"reference corpus ({split}): {build_stdlib_samples(tokenizer, split, out_dir=cfg.stdlib_corpus_dir)}"
+                )
+
+    prepare = write_corpus if cfg.stdlib_corpus_dir else None
+    tokenizer, pad_id, target, prompt_pool, train_set, eval_set = load_target_and_data(cfg, accelerator, log, prepare)
+    if cfg.self_distill.samples:
+        train_set = add_self_distilled(accelerator, cfg, target, prompt_pool, train_set, pad_id, log)
+
+    # ---- draft vocabulary + drafter
+    drafter = build_drafter(cfg, target, tokenizer, train_set, eval_set, out, log).to(accelerator.device)
+    if accelerator.is_main_process and not (out / "draft_vocab.safetensors").exists():
+        save_file({"d2t": drafter.d2t.cpu(), "t2d": drafter.t2d.cpu()}, str(out / "draft_vocab.safetensors"))
+
+    # ---- features: online (target forward per batch) or offline (cache once, read every epoch)
+    samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
+
+    # ---- optimizer, schedule, resume, the sharding this run really got
+    optimizer = adamw(drafter, tc.lr, tc.weight_decay)
+    lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
+    plan = start_training(
+        accelerator,
+        cfg,
+        drafter,
+        optimizer,
+        len(samples),
+        log,
+        "eagle3",
+        f", ttt {cfg.drafter.ttt_steps}",
+        lengths=lengths,
+    )
+
+    # ---- training-time-test loop
+    step, train_s = train_ttt(accelerator, cfg, plan, target, samples, collate_fn, pad_id, lengths, eval_set, log)
+    drafter = plan.model
+    model = accelerator.unwrap_model(drafter)
 
     # ---- save: resumable state, own-format checkpoint, engine exports
     save_training_state(accelerator, out, {"step": step}, tc.keep_states)

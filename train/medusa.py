@@ -139,6 +139,27 @@ def evaluate(accelerator, target, model: MedusaDrafter, eval_set, cfg: MedusaRec
     }
 
 
+def build_heads(cfg: MedusaRecipeConfig, target, tokenizer, log) -> MedusaDrafter:
+    """Fresh heads from the target (``heads.init_from`` null) or the checkpoint to continue, and their log line."""
+    hc = cfg.heads
+    if hc.init_from:
+        log(f"heads: continuing from {hc.init_from}")
+        heads = MedusaDrafter.from_pretrained(hc.init_from, target, tokenizer)
+    else:
+        heads = MedusaDrafter.from_target(target, hc.num_heads, hc.num_layers, hc.shared_head, tokenizer)
+    trainable = sum(p.numel() for p in heads.parameters() if p.requires_grad)
+    joint = (
+        f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
+        if cfg.target.mode == "joint"
+        else ""
+    )
+    log(
+        f"heads: {hc.num_heads} x {hc.num_layers} ResBlock, {'shared' if hc.shared_head else 'per-head'} lm_head, "
+        f"{trainable / 1e6:.1f} M trainable parameters{joint}"
+    )
+    return heads
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "report":
@@ -149,9 +170,8 @@ def main(argv: list[str]) -> None:
     if hc.init_from and not (Path(hc.init_from) / "config.json").exists():
         raise SystemExit(f"heads.init_from={hc.init_from}: no checkpoint there (train it first, or set null)")
     warmup_phase = cfg.target.mode == "joint" and cfg.joint.drafter_warmup_steps > 0
-    accelerator, log = make_accelerator(
-        tc, find_unused=warmup_phase, target=cfg.target
-    )  # the target's parameters idle in warm-up
+    # the target's parameters idle in warm-up, which DDP must be told
+    accelerator, log = make_accelerator(tc, find_unused=warmup_phase, target=cfg.target)
     world = accelerator.num_processes
     set_seed(tc.seed)
     t_start = time.time()
@@ -161,21 +181,7 @@ def main(argv: list[str]) -> None:
 
     # ---- heads (and, for Medusa-2, the target that trains with them)
     joint, jc = cfg.target.mode == "joint", cfg.joint
-    if hc.init_from:
-        log(f"heads: continuing from {hc.init_from}")
-        heads = MedusaDrafter.from_pretrained(hc.init_from, target, tokenizer)
-    else:
-        heads = MedusaDrafter.from_target(target, hc.num_heads, hc.num_layers, hc.shared_head, tokenizer)
-    trainable = sum(p.numel() for p in heads.parameters() if p.requires_grad)
-    log(
-        f"heads: {hc.num_heads} x {hc.num_layers} ResBlock, {'shared' if hc.shared_head else 'per-head'} lm_head, "
-        f"{trainable / 1e6:.1f} M trainable parameters"
-        + (
-            f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
-            if joint
-            else ""
-        )
-    )
+    heads = build_heads(cfg, target, tokenizer, log)
     samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
 
     # ---- optimizer, schedule, resume

@@ -167,6 +167,38 @@ def evaluate(accelerator, target: TargetModel, drafter: MTPDrafter, eval_set, tc
     }
 
 
+def build_modules(cfg: MTPRecipeConfig, target: TargetModel, tokenizer, log) -> MTPDrafter:
+    """Fresh modules from the target (``mtp.init_from`` null) or the checkpoint to continue (refused when its module
+    count or input signal differs from the recipe's), in training mode, and their log line."""
+    mc = cfg.mtp
+    if mc.init_from:
+        log(f"modules: continuing from {mc.init_from}")
+        drafter = MTPDrafter.from_pretrained(mc.init_from, target, tokenizer)
+        if drafter.config.num_modules != mc.num_modules:
+            raise SystemExit(
+                f"{mc.init_from} has {drafter.config.num_modules} modules, mtp.num_modules is {mc.num_modules}"
+            )
+        if drafter.config.input_signal != mc.input_signal:  # its modules learned to read that signal
+            raise SystemExit(
+                f"{mc.init_from} reads the target's {drafter.config.input_signal} signal, mtp.input_signal is "
+                f"{mc.input_signal}: set mtp.input_signal={drafter.config.input_signal} to continue it"
+            )
+    else:
+        drafter = MTPDrafter.from_target(target, mc.num_modules, tokenizer, mc.block_init, mc.input_signal)
+    drafter.train()
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    joint = (
+        f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
+        if cfg.target.mode == "joint"
+        else ""
+    )
+    log(
+        f"modules: {mc.num_modules} x {drafter.config.block_class} ({mc.block_init}), h^0 = the target's "
+        f"{input_signal(drafter)}, {trainable / 1e6:.1f} M trainable parameters, λ {mc.weights_at(0)}{joint}"
+    )
+    return drafter
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "report":
@@ -185,32 +217,8 @@ def main(argv: list[str]) -> None:
     tokenizer, pad_id, target, _, train_set, eval_set = load_target_and_data(cfg, accelerator, log)
 
     # ---- modules (and, in joint mode, the target that trains with them)
-    if mc.init_from:
-        log(f"modules: continuing from {mc.init_from}")
-        drafter = MTPDrafter.from_pretrained(mc.init_from, target, tokenizer)
-        if drafter.config.num_modules != mc.num_modules:
-            raise SystemExit(
-                f"{mc.init_from} has {drafter.config.num_modules} modules, mtp.num_modules is {mc.num_modules}"
-            )
-        if drafter.config.input_signal != mc.input_signal:  # its modules learned to read that signal
-            raise SystemExit(
-                f"{mc.init_from} reads the target's {drafter.config.input_signal} signal, mtp.input_signal is "
-                f"{mc.input_signal}: set mtp.input_signal={drafter.config.input_signal} to continue it"
-            )
-    else:
-        drafter = MTPDrafter.from_target(target, mc.num_modules, tokenizer, mc.block_init, mc.input_signal)
-    drafter.train()
+    drafter = build_modules(cfg, target, tokenizer, log)
     signal = input_signal(drafter)  # read here: the loop's ``model`` may be a distributed wrapper
-    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    log(
-        f"modules: {mc.num_modules} x {drafter.config.block_class} ({mc.block_init}), h^0 = the target's {signal}, "
-        f"{trainable / 1e6:.1f} M trainable parameters, λ {mc.weights_at(0)}"
-        + (
-            f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
-            if joint
-            else ""
-        )
-    )
 
     # ---- optimizer, schedule, resume
     model, optimizer, joint_run = trained_modules(

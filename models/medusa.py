@@ -121,7 +121,7 @@ class MedusaDrafter(nn.Module):
     def save_pretrained(self, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
         """config.json (MedusaConfig + ``drafters`` block) and model.safetensors; bit-exact on reload.
         ``state``: the weights to write instead of this module's own, by the same names (a sharded engine's gathered
-        copy: `train.loop.full_state`).
+        copy: `train.distributed.full_state`).
         """
         if self.target_info is None:
             raise ValueError(

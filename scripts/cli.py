@@ -6,8 +6,8 @@ drafters report --drafter DIR [key=value ...]            # τ / speedup report o
 drafters leaderboard [key=value ...]                     # every method, categories x T x batch sizes (eval/leaderboard.py)
 drafters publish CHECKPOINT [--out DIR] [--push-to REPO]   # a hub-ready folder with its model card (eval/publish.py)
 drafters bench [args of eval.bench_runtime]              # runtime benchmark of the drafter-free proposers
-drafters build-data [args of train.chat_data]            # self-synthesised, self-distilled chat data (resumable)
-drafters bench-answerer [args of train.answerer]         # self-distillation answer tokens/s beside this machine's limit
+drafters build-data [args of train.data.target_written] # self-synthesised, self-distilled chat data (resumable)
+drafters bench-answerer [args of train.data.answerer]    # self-distillation answer tokens/s beside this machine's limit
 drafters regenerate [args of scripts/regenerate.py]      # self-distillation of an existing chat dataset
 drafters estimate --target CONFIG --recipe YAML [...]    # memory / cache size / tokens per GPU-hour, before a run
 drafters precision [TARGET] [--refresh]                  # the dtype this machine serves, distils and trains in, and why
@@ -227,8 +227,8 @@ def main(argv: list[str] | None = None) -> None:
         "leaderboard": _leaderboard,
         "publish": lambda a: _run_module("eval.publish", a),
         "bench": lambda a: _run_module("eval.bench_runtime", a),
-        "build-data": lambda a: _run_module("train.chat_data", a),
-        "bench-answerer": lambda a: _run_module("train.answerer", a),
+        "build-data": lambda a: _run_module("train.data.target_written", a),
+        "bench-answerer": lambda a: _run_module("train.data.answerer", a),
         "regenerate": lambda a: _run_script(ROOT / "scripts" / "regenerate.py", a),
         "estimate": lambda a: _run_script(ROOT / "scripts" / "estimate.py", a),
         "precision": precision,

@@ -29,8 +29,10 @@ from infer.generate import generate_speculative
 from infer.sampling import SamplingParams
 from models.config import parse_cli
 from models.eagle3 import Eagle3Drafter
+from train.distributed import make_accelerator
 from train.eagle3 import Eagle3RecipeConfig, evaluate
-from train.loop import epoch_batch, load_target_and_data, make_accelerator, sample_lengths, schedule
+from train.loop import load_target_and_data
+from train.schedule import epoch_batch, sample_lengths, schedule
 
 
 def tokens_read(cfg: Eagle3RecipeConfig, train_set, step: int) -> tuple[int, int]:
@@ -58,9 +60,7 @@ def served(target, drafter, tokenizer, prompts, k: int, max_new_tokens: int) -> 
         stats.append(out.stats)
         by_category.setdefault(p.category, []).append(out.stats)
     tau = sum(s.new_tokens for s in stats) / max(1, sum(s.row_forwards for s in stats))
-    per_cat = {
-        c: sum(s.new_tokens for s in v) / max(1, sum(s.row_forwards for s in v)) for c, v in by_category.items()
-    }
+    per_cat = {c: sum(s.new_tokens for s in v) / max(1, sum(s.row_forwards for s in v)) for c, v in by_category.items()}
     stopped = sum(1 for s in stats if s.new_tokens < max_new_tokens)
     return {"tau": tau, "alpha": alpha_of(stats), "tau_by_category": per_cat, "stopped_at_eos": stopped}
 
@@ -153,8 +153,10 @@ def main(argv: list[str]) -> None:
             row["served"] = served(target, drafter, tokenizer, prompts, args.chain, args.max_new_tokens)
         rows.append(row)
         store.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-        log(f"{name}: τ {row['served']['tau']:.2f}, held-out α {[round(a, 2) for a in row['heldout_alpha']]} "
-            f"({time.time() - t0:.0f} s)")
+        log(
+            f"{name}: τ {row['served']['tau']:.2f}, held-out α {[round(a, 2) for a in row['heldout_alpha']]} "
+            f"({time.time() - t0:.0f} s)"
+        )
     (out / "curve.md").write_text(table(rows, meta))
     draw(rows, out)
     print(table(rows, meta))

@@ -7,7 +7,7 @@ A drafter is trained to predict the *target's* tokens, so answers written by ano
 UltraChat) are replaced by the target's own (EAGLE/Medusa practice, temperature ~0.8). Turns are
 regenerated in order, each from the regenerated earlier turns; rows of prompts alone (``turns`` / ``prompt``
 columns, or user turns without answers) are answered. Finished batches go to ``<out>.partial`` as they complete and a
-rerun resumes there; the ``messages`` jsonl is written atomically at the end, and a run that writes nothing exits 1. The logic lives in ``train.data.regenerate_dataset``; this file is the CLI.
+rerun resumes there; the ``messages`` jsonl is written atomically at the end, and a run that writes nothing exits 1. The logic lives in ``train.data.regenerate.regenerate_dataset``; this file is the CLI.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train.data import DataConfig, regenerate_dataset  # noqa: E402
+from train.data.dataset import DataConfig  # noqa: E402
+from train.data.regenerate import regenerate_dataset  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""The one answerer (train/answerer.py): turn-by-turn answers from the target's own earlier answers, continuous
+"""The one answerer (train/data/answerer.py): turn-by-turn answers from the target's own earlier answers, continuous
 batching that changes nothing, shards that resume, ranks that split the work disjointly, continuations of exact
 length; and the continuous decoder under it (infer/generate.py)."""
 
@@ -11,8 +11,8 @@ from infer.generate import generate_vanilla
 from infer.sampling import SamplingParams
 from models.target import TargetModel
 from tests.test_data import backend, tiny_target, tokenizers  # noqa: F401 (fixtures)
-from train.answerer import AnswerConfig, Job, answer, answer_stop_ids, read_shards
-from train.chat_render import render
+from train.data.answerer import AnswerConfig, Job, answer, answer_stop_ids, read_shards
+from train.data.chat_render import render
 
 QUESTIONS = ["hello there", "what is it", "a much longer question about many things", "why", "tell me more please"]
 
@@ -48,7 +48,7 @@ def test_chat_answers_follow_the_targets_own_earlier_answers(tokenizers, tiny_ta
 
 
 def test_a_rerun_answers_only_what_no_shard_holds(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
-    import train.answerer as answerer
+    import train.data.answerer as answerer
 
     tok, target = tokenizers["reference"], TargetModel(tiny_target)
     cfg = AnswerConfig(max_new_tokens=4, batch_size=2)
@@ -79,7 +79,7 @@ def test_a_run_stopped_by_ctrl_c_keeps_its_finished_rows_and_the_rerun_does_the_
     tmp_path,
     monkeypatch,
 ):
-    import train.answerer as answerer
+    import train.data.answerer as answerer
 
     tok, target = tokenizers["reference"], TargetModel(tiny_target)
     # all 5 first turns decode together, then the 5 second turns; a shard every 8 rows: the stop at the 7th answer
@@ -205,7 +205,7 @@ def test_continuous_batching_gives_each_prompt_its_lone_greedy_answer(tiny_targe
 
 
 def test_static_batching_answers_the_same_and_the_decode_flops_count_every_weight(tokenizers, tiny_target, tmp_path):  # noqa: F811
-    from train.answerer import decode_flops_per_token
+    from train.data.answerer import decode_flops_per_token
 
     tok, target = tokenizers["reference"], TargetModel(tiny_target)
     answer(target, tok, _jobs(), AnswerConfig(max_new_tokens=4, batch_size=2), tmp_path / "c", log=lambda m: None)
@@ -222,8 +222,8 @@ def test_static_batching_answers_the_same_and_the_decode_flops_count_every_weigh
 def test_the_run_is_set_against_the_machines_limit_for_the_same_work(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
     """Every answer run prints its answer tokens/s beside the fastest the same FLOPs (every prompt's prefill, every
     decode step) could run at the machine's GEMM rate."""
-    import train.answerer as answerer
-    from train.answerer import decode_flops_per_token, machine_limit
+    import train.data.answerer as answerer
+    from train.data.answerer import decode_flops_per_token, machine_limit
 
     monkeypatch.setattr(answerer, "_gemm_rate", lambda dtype: 1e9)  # 1 GFLOP/s: the arithmetic below is exact
     tok, target = tokenizers["reference"], TargetModel(tiny_target)
@@ -241,39 +241,39 @@ def test_the_run_is_set_against_the_machines_limit_for_the_same_work(tokenizers,
     assert got["limit_tokens_per_s"] == round(1e9 / (flops / 10), 1)
 
 
-def test_the_chat_data_build_answers_through_the_answerer_and_resumes(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
-    """`train.chat_data.build` with the request stage, the code tasks and the prose replaced by fixed ones (a random
+def test_the_target_written_build_answers_through_the_answerer_and_resumes(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
+    """`train.target_written.build` with the request stage, the code tasks and the prose replaced by fixed ones (a random
     tiny model writes no request the filter keeps): held-out requests of every family are answered apart or kept as
     evaluation prompts, pass 2 derives tasks from pass-1 answers, a request copying an evaluation prompt is dropped,
     the data card counts every family, and a second build answers nothing again."""
-    import train.chat_data as chat_data
-    import train.families as families
+    import train.data.target_written as target_written
+    import train.data.tasks as tasks
 
     def fake_requests(target, tokenizer, cfg, path, log=print, family="chat", count=-1):
         kind = "magpie" if family == "chat" else family
         n = cfg.magpie if count < 0 else count
         return [{"id": f"{kind}-{i}", "kind": kind, "batch": 0, "turns": [f"{family} request {i}"]} for i in range(n)]
 
-    evaluation = families.evaluation_prompts()[0]
+    evaluation = tasks.evaluation_prompts()[0]
     code = [{"id": "code-0", "kind": "code", "source": "x.py", "turns": [evaluation]}]  # copies an evaluation prompt
     code += [{"id": f"code-{i}", "kind": "code", "source": "x.py", "turns": [f"explain f{i}()"]} for i in (1, 2)]
-    prose = [families.Passage(f"doc:{i}:0", f"topic {i}", f"Paragraph {i} says something plain.") for i in range(4)]
-    monkeypatch.setattr(chat_data, "synthesize_requests", fake_requests)
-    monkeypatch.setattr(chat_data, "code_tasks", lambda n, seed: code[:n])  # the stdlib scan takes a minute
-    monkeypatch.setattr(chat_data, "prose_passages", lambda split: prose)
+    prose = [tasks.Passage(f"doc:{i}:0", f"topic {i}", f"Paragraph {i} says something plain.") for i in range(4)]
+    monkeypatch.setattr(target_written, "synthesize_requests", fake_requests)
+    monkeypatch.setattr(target_written, "code_tasks", lambda n, seed: code[:n])  # the stdlib scan takes a minute
+    monkeypatch.setattr(target_written, "prose_passages", lambda split: prose)
     tok, target = tokenizers["reference"], TargetModel(tiny_target)
-    cfg = chat_data.BuildConfig(
+    cfg = target_written.BuildConfig(
         magpie=5, heldout_chat=2, code=3, multi_turn=0.5, max_new_tokens=4, batch_size=3, qa=2, math_reasoning=0,
         math_templates=1, mt_bench=1, summarization=1, rag=1, translation=1, articles=3, heldout_per_family=1,
     )  # fmt: skip
     monkeypatch.setattr(
-        chat_data,
+        target_written,
         "derived_tasks",
         lambda rows, seed: [
             {"id": "rag-derived", "kind": "rag", "turns": ["Document 1: " + rows[0]["messages"][1]["content"]]}
         ],
-    )  # fmt: skip (train/families.py's own derivation: tests/test_families.py)
-    summary = chat_data.build(target, tok, cfg, tmp_path / "d", log=lambda m: None)
+    )  # fmt: skip (train/data/tasks.py's own derivation: tests/test_tasks.py)
+    summary = target_written.build(target, tok, cfg, tmp_path / "d", log=lambda m: None)
     with gzip.open(tmp_path / "d" / "train.jsonl.gz", "rt") as f:
         rows = [json.loads(line) for line in f]
     # pass 1: 3 chat + 2 qa + 1 mt_bench + 2 code (one dropped) + 1 math + 1 summary + 1 rag + 1 translation +
@@ -307,7 +307,7 @@ def test_the_chat_data_build_answers_through_the_answerer_and_resumes(tokenizers
     assert [(r["question_id"], r["category"]) for r in held] == [
         ("magpie-0", "chat"), ("magpie-1", "chat"), ("qa-0", "qa"), ("mt_bench-0", "mt_bench")
     ]  # fmt: skip
-    again = chat_data.build(target, tok, cfg, tmp_path / "d", log=lambda m: None)
+    again = target_written.build(target, tok, cfg, tmp_path / "d", log=lambda m: None)
     assert again["this_run"]["first_pass"]["answers"] == again["this_run"]["derived"]["answers"] == 0
     assert again["conversations"] == 16
 
@@ -316,13 +316,13 @@ def test_steered_requests_are_sampled_continuously_filtered_and_resumed(tokenize
     """`synthesize_requests` for a steered family: every prompt is the user header plus an opener, a kept request is
     the opener plus the target's text, duplicates and unfinished ones are dropped, and a rerun keeps what is on disk
     and samples only the rest (the decoder is a stand-in that answers from a script)."""
-    import train.chat_data as chat_data
-    from train.chat_render import end_of_turn_token_ids
-    from train.families import OPENERS
+    import train.data.target_written as target_written
+    from train.data.chat_render import end_of_turn_token_ids
+    from train.data.tasks import OPENERS
 
     tok = tokenizers["reference"]
     stop = end_of_turn_token_ids(tok)[0]
-    header = chat_data.user_turn_prefix(tok)
+    header = target_written.user_turn_prefix(tok)
     script = iter(
         [" is a river?", " is a river?", " unfinished", *(f" is thing number {i}?" for i in range(40))]
     )  # a duplicate, an unfinished one, then new ones
@@ -339,15 +339,15 @@ def test_steered_requests_are_sampled_continuously_filtered_and_resumed(tokenize
                 ids = tok(text, add_special_tokens=False)["input_ids"]
                 on_done(key, ids if "unfinished" in text else [*ids, stop])
 
-    monkeypatch.setattr(chat_data, "decode_continuous", fake_decode)
-    cfg = chat_data.BuildConfig(batch_size=2)
+    monkeypatch.setattr(target_written, "decode_continuous", fake_decode)
+    cfg = target_written.BuildConfig(batch_size=2)
     path = tmp_path / "qa_requests.jsonl"
-    rows = chat_data.synthesize_requests(TargetModel(tiny_target), tok, cfg, path, lambda m: None, "qa", 3)
+    rows = target_written.synthesize_requests(TargetModel(tiny_target), tok, cfg, path, lambda m: None, "qa", 3)
     assert [r["id"] for r in rows] == ["qa-0", "qa-1", "qa-2"] and all(r["kind"] == "qa" for r in rows)
     assert all(p.startswith(header) and p[len(header) :] in OPENERS["qa"] for p in seen_prompts)
     assert all(any(r["turns"][0].startswith(o) for o in OPENERS["qa"]) for r in rows)
     assert len({r["turns"][0] for r in rows}) == 3 and not any("unfinished" in r["turns"][0] for r in rows)
     seen_prompts.clear()
-    more = chat_data.synthesize_requests(TargetModel(tiny_target), tok, cfg, path, lambda m: None, "qa", 5)
+    more = target_written.synthesize_requests(TargetModel(tiny_target), tok, cfg, path, lambda m: None, "qa", 5)
     assert more[:3] == rows and [r["id"] for r in more] == [f"qa-{i}" for i in range(5)]
     assert len(seen_prompts) == 2  # only the two missing requests were sampled

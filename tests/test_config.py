@@ -119,7 +119,7 @@ def test_every_deepspeed_config_is_launched_by_an_accelerate_config_and_builds(p
     assert launchers, f"no recipes/accelerate config launches {path.name}"
     plugin = DeepSpeedPlugin(hf_ds_config=str(path))
     assert plugin.zero_stage == int(path.stem.removeprefix("zero"))
-    # batch sizes and clipping are the recipe's (train/loop.py fills "auto"); ZeRO-3 must gather to save one file
+    # batch sizes and clipping are the recipe's (train/distributed.py fills "auto"); ZeRO-3 must gather to save one file
     assert all(plugin.deepspeed_config[k] == "auto" for k in ("train_micro_batch_size_per_gpu", "gradient_clipping"))
     if plugin.zero_stage == 3:
         assert plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True

@@ -95,7 +95,8 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tiny_recipe, tmp_
 def test_a_nan_loss_stops_before_the_update_and_names_the_step(tmp_path):
     from accelerate import Accelerator
 
-    from train.loop import Progress, TrainConfig
+    from train.config import TrainConfig
+    from train.progress import Progress
 
     acc = Accelerator(cpu=True)
     model = acc.prepare(torch.nn.Linear(2, 2))

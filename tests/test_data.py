@@ -1,5 +1,5 @@
-"""train/data.py: formats, exact assistant masks (both span methods), skips, truncation, packing, caching,
-stdlib samples and self-distillation, on a tiny byte-level BPE tokenizer trained here."""
+"""train/data/ (dataset, stdlib samples, regeneration): formats, exact assistant masks (both span methods), skips,
+truncation, packing, caching, stdlib samples and self-distillation, on a tiny byte-level BPE tokenizer trained here."""
 
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eval.stdlib_corpus import SourceFile  # noqa: E402
-from train.chat_render import end_of_turn_token_ids  # noqa: E402
-from train.data import (  # noqa: E402
+from train.data.chat_render import end_of_turn_token_ids  # noqa: E402
+from train.data.dataset import (  # noqa: E402
     SKIP_REASONS,
     DataConfig,
     build_dataset,
-    build_stdlib_samples,
     collate,
     detect_format,
     packed_attention_mask,
-    regenerate_dataset,
 )
+from train.data.regenerate import regenerate_dataset  # noqa: E402
+from train.data.stdlib_samples import build_stdlib_samples  # noqa: E402
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 # A template with {% generation %} markers (the span method "generation"); the newline after an assistant turn is an
@@ -479,7 +479,7 @@ def test_regenerate_dataset(tokenizers, tiny_target, tmp_path):
 def test_regenerate_resumes_after_a_crash_and_answers_prompt_rows(tokenizers, tiny_target, tmp_path, monkeypatch):
     """A run killed after its first batch resumes from the shard it wrote (that batch is not generated again) and
     gives the same file as an uninterrupted run; Spec-Bench `turns` rows are answered turn by turn."""
-    import train.answerer as answerer
+    import train.data.answerer as answerer
 
     tok = tokenizers["reference"]
     rows = [{"question_id": i, "category": "x", "turns": [f"question {i}", "and a follow-up"]} for i in range(5)]
@@ -503,7 +503,7 @@ def test_regenerate_resumes_after_a_crash_and_answers_prompt_rows(tokenizers, ti
     monkeypatch.setattr(answerer, "_write_shard", real_write)
     shards = tmp_path / "out.jsonl.shards"
     written = [line for shard in shards.glob("shard-*.jsonl.gz") for line in gzip.open(shard, "rt").read().splitlines()]
-    # the failed shard's two finished conversations are written on the way out (train.answerer.answer's finally)
+    # the failed shard's two finished conversations are written on the way out (train.data.answerer.answer's finally)
     assert len(written) == 4 and not (tmp_path / "out.jsonl").exists()
     resumed = regenerate_dataset(tiny_target, tok, cfg, tmp_path / "out.jsonl", **kw)
     assert resumed["turns_regenerated"] == 2  # the one conversation not on disk only

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from train.text_tier import CONTAMINATION_N, contaminated, conversation_texts
+from train.data.text_tier import CONTAMINATION_N, contaminated, conversation_texts
 
 ROOT = Path(__file__).resolve().parents[1]
 

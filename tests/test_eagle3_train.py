@@ -60,7 +60,7 @@ def test_epoch_batches_partition_each_global_batch_across_ranks():
 def test_length_grouped_batches_are_disjoint_across_ranks_and_pad_less():
     """`train.group_by_length`: every epoch still gives each rank disjoint samples (the same sample count), the
     order replays on resume, and a batch's samples have similar lengths (less padding than the random order)."""
-    from train.loop import GROUP_MEGABATCH
+    from train.schedule import GROUP_MEGABATCH
 
     n, world, bs = 1000, 2, 4
     per_epoch = n // (world * bs)
@@ -264,7 +264,7 @@ def test_self_distilled_rows_are_the_targets_greedy_continuations(tmp_path, tiny
 
     from infer.generate import generate_vanilla
     from infer.sampling import SamplingParams
-    from train.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled
+    from train.data.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled
 
     features = datasets.Features(
         {"input_ids": datasets.List(datasets.Value("int32")), "loss_mask": datasets.List(datasets.Value("int8"))}

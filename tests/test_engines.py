@@ -20,7 +20,8 @@ from tests.test_eagle3_train import recipe_args
 from tests.test_medusa import medusa_args
 from tests.test_mtp_train import mtp_args
 from train.checkpoint import _check_deepspeed_files
-from train.loop import TrainConfig, _fill_deepspeed_config
+from train.config import TrainConfig
+from train.distributed import fill_deepspeed_config
 
 # two micro-batches per step, so accumulation runs under every engine (DeepSpeed's own included)
 STEPS = ("train.max_steps=3", "train.log_every=1", "train.grad_accum=2", "report.enabled=false", "train.export=false")
@@ -127,11 +128,11 @@ def _deepspeed_accelerator(config: dict, world: int = 2):
 def test_deepspeed_auto_values_come_from_the_recipe_and_explicit_ones_must_agree():
     tc = TrainConfig(output_dir="unused", batch_size=2, grad_accum=3, grad_clip=0.5)
     config = json.loads((Path(__file__).parents[1] / "recipes" / "deepspeed" / "zero3.json").read_text())
-    _fill_deepspeed_config(_deepspeed_accelerator(config), tc)
+    fill_deepspeed_config(_deepspeed_accelerator(config), tc)
     assert config["train_micro_batch_size_per_gpu"] == 2 and config["gradient_accumulation_steps"] == 3
     assert config["train_batch_size"] == 12 and config["gradient_clipping"] == 0.5
     with pytest.raises(SystemExit, match="train_micro_batch_size_per_gpu=4 but the recipe gives 2"):
-        _fill_deepspeed_config(_deepspeed_accelerator({"train_micro_batch_size_per_gpu": 4}), tc)
+        fill_deepspeed_config(_deepspeed_accelerator({"train_micro_batch_size_per_gpu": 4}), tc)
 
 
 def test_joint_training_under_a_sharding_engine_is_refused_before_it_starts():

@@ -12,6 +12,8 @@ from tests.conftest import ROOT
 PACKAGES = ("models", "infer", "eval", "train", "scripts")
 MAY_IMPORT = {"models": {"models"}, "infer": {"models", "infer"}, "eval": {"models", "infer", "eval"}}
 """What each lower room may import (train/ and scripts/ may import any room)."""
+DATA_MAY_IMPORT = {"models", "infer", "eval", "train.data"}
+"""Data building (train/data/) sits below the training scripts and their helpers: it imports none of them."""
 
 
 def project_modules() -> dict[str, str]:
@@ -74,17 +76,17 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_cycle_finder_finds_a_cycle_and_passes_a_tree():
     modules = {
-        "train.data": "from train.answerer import answer\n",
-        "train.answerer": "def f():\n    from train.data import render\n",  # a deferred import still counts
-        "train.chat_render": "import re\n",
+        "train.data.dataset": "from train.data.answerer import answer\n",
+        "train.data.answerer": "def f():\n    from train.data.dataset import render\n",  # a deferred import counts
+        "train.data.chat_render": "import re\n",
         "infer": "",
         "infer.families": "from infer import family\n",
         "infer.family": "",
     }
     graph = import_graph(modules)
     assert graph["infer.families"] == {"infer", "infer.family"}
-    assert find_cycle(graph) == ["train.answerer", "train.data", "train.answerer"]
-    modules["train.answerer"] = "from train.chat_render import render\n"
+    assert find_cycle(graph) == ["train.data.answerer", "train.data.dataset", "train.data.answerer"]
+    modules["train.data.answerer"] = "from train.data.chat_render import render\n"
     assert find_cycle(import_graph(modules)) == []
 
 
@@ -100,4 +102,14 @@ def test_imports_run_bottom_to_top():
         for name, deps in import_graph(project_modules()).items()
         if name.split(".")[0] in MAY_IMPORT
     }
+    assert {name: deps for name, deps in upward.items() if deps} == {}
+
+
+def test_data_building_imports_no_training_module():
+    def inside(module: str, rooms: set[str]) -> bool:
+        return any(module == room or module.startswith(f"{room}.") for room in rooms)
+
+    data = {name: deps for name, deps in import_graph(project_modules()).items() if inside(name, {"train.data"})}
+    assert len(data) > 5
+    upward = {name: sorted(d for d in deps if not inside(d, DATA_MAY_IMPORT)) for name, deps in data.items()}
     assert {name: deps for name, deps in upward.items() if deps} == {}

@@ -239,7 +239,7 @@ def test_an_unknown_or_missing_tracker_is_refused(monkeypatch):
     """Accelerate only warns and trains without a tracker it cannot find; the recipe refuses at config time."""
     import importlib.util
 
-    from train.loop import TrainConfig
+    from train.config import TrainConfig
 
     with pytest.raises(ValueError, match="log_with must be one of"):
         TrainConfig(output_dir="x", log_with="tensorbord")

@@ -1,5 +1,5 @@
 """Resumable training state: accelerate's model / optimizer / RNG state plus the loop counters (the data position is
-the step: `train.loop.epoch_batch` derives every micro-batch from it; the learning rate is a function of the step),
+the step: `train.schedule.epoch_batch` derives every micro-batch from it; the learning rate is a function of the step),
 written so that a crash at any moment leaves a loadable state behind.
 
 Layout under ``<output_dir>/``: ``state/`` is the latest state, ``state.{step}`` the ``keep - 1`` earlier ones.

@@ -9,7 +9,8 @@ Top to bottom: parse config → target, tokenizer, data → draft vocabulary + d
 training-time-test loop (EAGLE-3: soft cross-entropy on the draft vocab, step weights 0.8^i, AdamW + warm-up +
 cosine, grad clip) with held-out simulated τ → checkpoint + engine exports → τ / speedup report.
 
-Sharding, schedule, feature source and metrics log are shared with the other recipes (train/loop.py).
+Sharding, schedule, feature source and metrics log are shared with the other recipes (train/loop.py and the modules
+beside it: config, distributed, schedule, progress).
 """
 
 from __future__ import annotations
@@ -32,28 +33,18 @@ from models.eagle3 import Eagle3Drafter  # noqa: E402
 from models.export import save_sglang, save_speculators  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
-from train.data import DataConfig  # noqa: E402
+from train.config import TrainConfig  # noqa: E402
+from train.data.dataset import DataConfig  # noqa: E402
+from train.data.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled  # noqa: E402
+from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage  # noqa: E402
 from train.features import attention_masks, target_signals  # noqa: E402
-from train.loop import (  # noqa: E402
-    Progress,
-    TrainConfig,
-    epoch_batch,
-    eval_batches,
-    feature_source,
-    full_state,
-    load_target_and_data,
-    make_accelerator,
-    record,
-    report_mode,
-    sample_lengths,
-    stamp_heldout,
-    start_training,
-    to_device,
-)
+from train.loop import TrainingPlan, feature_source, load_target_and_data, start_training  # noqa: E402
 from train.losses import eagle3_ttt_loss, simulated_tau, ttt_targets  # noqa: E402
 from train.optim import adamw  # noqa: E402
-from train.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled  # noqa: E402
+from train.progress import Progress, record, stamp_heldout  # noqa: E402
+from train.report_mode import report_mode  # noqa: E402
+from train.schedule import epoch_batch, eval_batches, sample_lengths, to_device  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -90,7 +81,7 @@ class Eagle3RecipeConfig:
     """Held-out data for the simulated τ (None: no held-out evaluation)."""
     report: ReportConfig = field(default_factory=ReportConfig)
     self_distill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
-    """Opt-in for raw-text data: add the target's own continuations of training prompts (train/self_distill.py)."""
+    """Opt-in for raw-text data: add the target's own continuations of training prompts (train/data/self_distill.py)."""
     stdlib_corpus_dir: str | None = None
     """Write the reference corpus (stdlib_{train,heldout}_text.jsonl) here first when missing; data.path and
     eval_data.path may then point into it."""
@@ -150,71 +141,48 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
     return {"eval/acc": alphas, "eval/simulated_tau": simulated_tau(alphas)}
 
 
-# ------------------------------------------------------------------------------------------------ main
-def main(argv: list[str]) -> None:
-    if argv and argv[0] == "report":
-        return report_mode(argv[1:], Eagle3RecipeConfig)
-    cfg = parse_cli(Eagle3RecipeConfig, argv)
-    tc = cfg.train
-    out = Path(tc.output_dir)
-    accelerator, log = make_accelerator(tc, target=cfg.target)
+def add_self_distilled(accelerator, cfg: Eagle3RecipeConfig, target, prompt_pool, train_set, pad_id: int, log):
+    """The training set plus the target's own continuations of training prompts (``self_distill``), written once by
+    the main process to ``<output_dir>/self_distill.jsonl`` and read back by every rank."""
+    if cfg.data.packing:
+        raise SystemExit("self_distill adds unpacked samples; it cannot be combined with data.packing")
+    distilled = Path(cfg.train.output_dir) / "self_distill.jsonl"
+    if accelerator.is_main_process and not distilled.exists():
+        write_self_distilled(target, prompt_pool, cfg.self_distill, distilled, pad_id, cfg.train.seed, log)
+    accelerator.wait_for_everyone()
+    extra = load_self_distilled(distilled, train_set.features, cfg.data.cache_dir)
+    train_set = datasets.concatenate_datasets([train_set, extra])
+    log(f"self-distillation: +{len(extra)} target continuations → {len(train_set)} training samples")
+    return train_set
+
+
+# ------------------------------------------------------------------------------------------------ loop
+def train_ttt(
+    accelerator,
+    cfg: Eagle3RecipeConfig,
+    plan: TrainingPlan,
+    target,
+    samples,
+    collate_fn,
+    pad_id: int,
+    lengths,
+    eval_set,
+    log,
+) -> tuple[int, float]:
+    """Training-time test (EAGLE-3): per micro-batch the target's signals, the drafter unrolled ``ttt_steps`` times
+    on its own outputs, the step-weighted soft cross-entropy; at each optimizer step the log line, the held-out
+    evaluation, the resumable state and the snapshots when due. Returns (steps done, training seconds)."""
+    tc, out = cfg.train, Path(cfg.train.output_dir)
     rank, world = accelerator.process_index, accelerator.num_processes
-    set_seed(tc.seed)
-    t_start = time.time()
-
-    # ---- target, tokenizer, data
-    def write_corpus(tokenizer) -> None:
-        from train.data import build_stdlib_samples
-
-        for split in ("train", "heldout"):
-            if not (Path(cfg.stdlib_corpus_dir) / f"stdlib_{split}_text.jsonl").exists():
-                log(
-                    f"reference corpus ({split}): {build_stdlib_samples(tokenizer, split, out_dir=cfg.stdlib_corpus_dir)}"
-                )
-
-    prepare = write_corpus if cfg.stdlib_corpus_dir else None
-    tokenizer, pad_id, target, prompt_pool, train_set, eval_set = load_target_and_data(cfg, accelerator, log, prepare)
-    if cfg.self_distill.samples:
-        if cfg.data.packing:
-            raise SystemExit("self_distill adds unpacked samples; it cannot be combined with data.packing")
-        distilled = out / "self_distill.jsonl"
-        if accelerator.is_main_process and not distilled.exists():
-            write_self_distilled(target, prompt_pool, cfg.self_distill, distilled, pad_id, tc.seed, log)
-        accelerator.wait_for_everyone()
-        extra = load_self_distilled(distilled, train_set.features, cfg.data.cache_dir)
-        train_set = datasets.concatenate_datasets([train_set, extra])
-        log(f"self-distillation: +{len(extra)} target continuations → {len(train_set)} training samples")
-
-    # ---- draft vocabulary + drafter
-    drafter = build_drafter(cfg, target, tokenizer, train_set, eval_set, out, log).to(accelerator.device)
-    if accelerator.is_main_process and not (out / "draft_vocab.safetensors").exists():
-        save_file({"d2t": drafter.d2t.cpu(), "t2d": drafter.t2d.cpu()}, str(out / "draft_vocab.safetensors"))
-
-    # ---- features: online (target forward per batch) or offline (cache once, read every epoch)
-    samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
-
-    # ---- optimizer, schedule, resume, the sharding this run really got
-    optimizer = adamw(drafter, tc.lr, tc.weight_decay)
-    lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
-    drafter, optimizer, per_epoch, total_steps, warmup, step = start_training(
-        accelerator,
-        cfg,
-        drafter,
-        optimizer,
-        len(samples),
-        log,
-        "eagle3",
-        f", ttt {cfg.drafter.ttt_steps}",
-        lengths=lengths,
-    )
-
-    # ---- training-time-test loop
+    drafter, optimizer = plan.model, plan.optimizer
     model = accelerator.unwrap_model(drafter)
     k = cfg.drafter.ttt_steps
-    progress = Progress(accelerator, tc, total_steps, warmup, step, k, "eagle3", position_loss="step_loss")
-    micro = step * tc.grad_accum
-    while progress.step < total_steps:
-        ids = epoch_batch(len(samples), micro, per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
+    progress = Progress(
+        accelerator, tc, plan.total_steps, plan.warmup, plan.start_step, k, "eagle3", position_loss="step_loss"
+    )
+    micro = plan.start_step * tc.grad_accum
+    while progress.step < plan.total_steps:
+        ids = epoch_batch(len(samples), micro, plan.per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
         batch = to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device)
         aux, last_hidden = target_signals(target, batch)
         allowed, positions, sample_ids = attention_masks(batch)
@@ -242,7 +210,63 @@ def main(argv: list[str]) -> None:
             snapshot = full_state(accelerator, drafter)
             if accelerator.is_main_process:
                 model.save_pretrained(out / "snapshots" / f"step-{progress.step}", snapshot)
-    step, train_s = progress.step, progress.close()
+    return progress.step, progress.close()
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "report":
+        return report_mode(argv[1:], Eagle3RecipeConfig)
+    cfg = parse_cli(Eagle3RecipeConfig, argv)
+    tc = cfg.train
+    out = Path(tc.output_dir)
+    accelerator, log = make_accelerator(tc, target=cfg.target)
+    world = accelerator.num_processes
+    set_seed(tc.seed)
+    t_start = time.time()
+
+    # ---- target, tokenizer, data
+    def write_corpus(tokenizer) -> None:
+        from train.data.stdlib_samples import build_stdlib_samples
+
+        for split in ("train", "heldout"):
+            if not (Path(cfg.stdlib_corpus_dir) / f"stdlib_{split}_text.jsonl").exists():
+                log(
+                    f"reference corpus ({split}): {build_stdlib_samples(tokenizer, split, out_dir=cfg.stdlib_corpus_dir)}"
+                )
+
+    prepare = write_corpus if cfg.stdlib_corpus_dir else None
+    tokenizer, pad_id, target, prompt_pool, train_set, eval_set = load_target_and_data(cfg, accelerator, log, prepare)
+    if cfg.self_distill.samples:
+        train_set = add_self_distilled(accelerator, cfg, target, prompt_pool, train_set, pad_id, log)
+
+    # ---- draft vocabulary + drafter
+    drafter = build_drafter(cfg, target, tokenizer, train_set, eval_set, out, log).to(accelerator.device)
+    if accelerator.is_main_process and not (out / "draft_vocab.safetensors").exists():
+        save_file({"d2t": drafter.d2t.cpu(), "t2d": drafter.t2d.cpu()}, str(out / "draft_vocab.safetensors"))
+
+    # ---- features: online (target forward per batch) or offline (cache once, read every epoch)
+    samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
+
+    # ---- optimizer, schedule, resume, the sharding this run really got
+    optimizer = adamw(drafter, tc.lr, tc.weight_decay)
+    lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
+    plan = start_training(
+        accelerator,
+        cfg,
+        drafter,
+        optimizer,
+        len(samples),
+        log,
+        "eagle3",
+        f", ttt {cfg.drafter.ttt_steps}",
+        lengths=lengths,
+    )
+
+    # ---- training-time-test loop
+    step, train_s = train_ttt(accelerator, cfg, plan, target, samples, collate_fn, pad_id, lengths, eval_set, log)
+    drafter = plan.model
+    model = accelerator.unwrap_model(drafter)
 
     # ---- save: resumable state, own-format checkpoint, engine exports
     save_training_state(accelerator, out, {"step": step}, tc.keep_states)

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from models.target import TargetModel, TargetOutput
-from train.data import collate, packed_attention_mask
+from train.data.dataset import collate, packed_attention_mask
 
 FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 INDEX = "index.json"
@@ -134,15 +134,7 @@ def write_feature_cache(
     lengths = [len(x) for x in dataset["input_ids"]]
     num_tokens = sum(lengths)
     need = projected_bytes(num_tokens, target.hidden_size, len(target.aux_layer_ids), dtype)
-    free = shutil.disk_usage(out).free
-    log(
-        f"offline features: {len(dataset)} samples, {num_tokens:,} tokens → projected {need / 2**30:.2f} GiB "
-        f"({dtype}) in {out}; free {free / 2**30:.1f} GiB"
-    )
-    if need * 1.05 > free:
-        raise SystemExit(
-            f"not enough disk for the feature cache: need {need / 2**30:.2f} GiB, {free / 2**30:.1f} GiB free in {out}"
-        )
+    _check_disk(out, need, f"{len(dataset)} samples, {num_tokens:,} tokens", dtype, log)
     if accelerator.is_main_process:  # from here until the new index is written, no run takes this cache as valid
         (out / INDEX).unlink(missing_ok=True)
     accelerator.wait_for_everyone()
@@ -153,35 +145,9 @@ def write_feature_cache(
     # batches of similar length: right padding costs a full target forward per padded token (the shards record
     # each sample's index, so the order on disk does not matter)
     rows.sort(key=lambda i: lengths[i])
+    rank = accelerator.process_index
     shard: dict[str, list] = {}
     shard_id, shard_len = 0, 0
-
-    def flush() -> None:
-        nonlocal shard, shard_id, shard_len
-        if not shard:
-            return
-        lengths = torch.tensor([len(x) for x in shard["input_ids"]])
-        tensors = {name: torch.cat(parts) for name, parts in shard.items() if name != "sample_index"}
-        tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-        tensors["sample_index"] = torch.tensor(shard["sample_index"], dtype=torch.long)
-        path = out / f"shard-r{accelerator.process_index}-{shard_id:05d}.safetensors"
-        try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            # the disk filled after the check (another writer, a quota): the half shard goes, and with no index.json
-            # written the partial cache is never read; the next run writes it again
-            path.unlink(missing_ok=True)
-            written = sum(p.stat().st_size for p in out.glob("shard-r*-*.safetensors"))
-            raise SystemExit(
-                f"the disk filled while writing the feature cache in {out}: shard {shard_id} of rank "
-                f"{accelerator.process_index} failed ({e.strerror}) with {written / 2**30:.2f} GiB of the projected "
-                f"{need / 2**30:.2f} GiB written. Free space (or set train.features_dir elsewhere) and run again; "
-                "the incomplete cache is not used"
-            ) from e
-        shard, shard_id, shard_len = {}, shard_id + 1, 0
-
     bar = tqdm(total=len(rows), desc="offline features", disable=not accelerator.is_main_process)
     for start in range(0, len(rows), batch_size):
         idx = rows[start : start + batch_size]
@@ -203,10 +169,12 @@ def write_feature_cache(
             shard.setdefault("sample_index", []).append(i)
             shard_len += n
         if shard_len >= shard_tokens:
-            flush()
+            _save_shard(out, rank, shard_id, shard, need)
+            shard, shard_id, shard_len = {}, shard_id + 1, 0
         bar.update(len(idx))
     bar.close()
-    flush()
+    if shard:
+        _save_shard(out, rank, shard_id, shard, need)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shards = sorted(p.name for p in out.glob("shard-r*-*.safetensors"))
@@ -221,6 +189,40 @@ def write_feature_cache(
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         log(f"offline features written: {index['bytes'] / 2**30:.2f} GiB in {len(shards)} shards")
     accelerator.wait_for_everyone()
+
+
+def _check_disk(out: Path, need: int, what: str, dtype: str, log) -> None:
+    """Stop before any compute when the projected cache (``need`` bytes) would not fit in the free space (+ 5 %)."""
+    free = shutil.disk_usage(out).free
+    log(f"offline features: {what} → projected {need / 2**30:.2f} GiB ({dtype}) in {out}; free {free / 2**30:.1f} GiB")
+    if need * 1.05 > free:
+        raise SystemExit(
+            f"not enough disk for the feature cache: need {need / 2**30:.2f} GiB, {free / 2**30:.1f} GiB free in {out}"
+        )
+
+
+def _save_shard(out: Path, rank: int, shard_id: int, shard: dict[str, list], need: int) -> None:
+    """One shard file of rank ``rank``: every sample's tensors concatenated, with their offsets and sample indices.
+    A disk that fills now stops the run (``need``: the projected cache size, for the message)."""
+    lengths = torch.tensor([len(x) for x in shard["input_ids"]])
+    tensors = {name: torch.cat(parts) for name, parts in shard.items() if name != "sample_index"}
+    tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    tensors["sample_index"] = torch.tensor(shard["sample_index"], dtype=torch.long)
+    path = out / f"shard-r{rank}-{shard_id:05d}.safetensors"
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        # the disk filled after the check (another writer, a quota): the half shard goes, and with no index.json
+        # written the partial cache is never read; the next run writes it again
+        path.unlink(missing_ok=True)
+        written = sum(p.stat().st_size for p in out.glob("shard-r*-*.safetensors"))
+        raise SystemExit(
+            f"the disk filled while writing the feature cache in {out}: shard {shard_id} of rank {rank} failed "
+            f"({e.strerror}) with {written / 2**30:.2f} GiB of the projected {need / 2**30:.2f} GiB written. Free "
+            "space (or set train.features_dir elsewhere) and run again; the incomplete cache is not used"
+        ) from e
 
 
 # ----------------------------------------------------------------------------------------- reading

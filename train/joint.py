@@ -23,10 +23,11 @@ from accelerate.utils import DistributedType
 from models.checkpoint import TARGET_DIR
 from models.loader import load_target
 from models.target import TargetModel, TargetOutput
+from train.config import TrainConfig
 from train.features import target_forward
-from train.loop import TrainConfig, eval_batches
 from train.losses import position_targets
 from train.optim import adamw
+from train.schedule import eval_batches
 
 LM_LOSSES = ("ce", "kl")
 LAMBDA0_SCHEDULES = ("constant", "linear", "sine")

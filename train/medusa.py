@@ -39,24 +39,17 @@ from models.export import medusa_original_refusal, save_medusa_original, save_me
 from models.medusa import MedusaDrafter  # noqa: E402
 from models.target import TargetConfig  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
-from train.data import DataConfig  # noqa: E402
+from train.config import TrainConfig  # noqa: E402
+from train.data.dataset import DataConfig  # noqa: E402
+from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.features import final_hidden  # noqa: E402
 from train.joint import JointConfig, save_target_changes, served, trained_modules  # noqa: E402
-from train.loop import (  # noqa: E402
-    TrainConfig,
-    eval_batches,
-    feature_source,
-    full_state,
-    load_target_and_data,
-    make_accelerator,
-    report_mode,
-    sample_lengths,
-    stamp_heldout,
-    start_training,
-    to_device,
-)
+from train.loop import feature_source, load_target_and_data, start_training  # noqa: E402
 from train.losses import position_targets, rank_hits, simulated_tau  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
+from train.progress import stamp_heldout  # noqa: E402
+from train.report_mode import report_mode  # noqa: E402
+from train.schedule import eval_batches, sample_lengths, to_device  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -146,6 +139,27 @@ def evaluate(accelerator, target, model: MedusaDrafter, eval_set, cfg: MedusaRec
     }
 
 
+def build_heads(cfg: MedusaRecipeConfig, target, tokenizer, log) -> MedusaDrafter:
+    """Fresh heads from the target (``heads.init_from`` null) or the checkpoint to continue, and their log line."""
+    hc = cfg.heads
+    if hc.init_from:
+        log(f"heads: continuing from {hc.init_from}")
+        heads = MedusaDrafter.from_pretrained(hc.init_from, target, tokenizer)
+    else:
+        heads = MedusaDrafter.from_target(target, hc.num_heads, hc.num_layers, hc.shared_head, tokenizer)
+    trainable = sum(p.numel() for p in heads.parameters() if p.requires_grad)
+    joint = (
+        f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
+        if cfg.target.mode == "joint"
+        else ""
+    )
+    log(
+        f"heads: {hc.num_heads} x {hc.num_layers} ResBlock, {'shared' if hc.shared_head else 'per-head'} lm_head, "
+        f"{trainable / 1e6:.1f} M trainable parameters{joint}"
+    )
+    return heads
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "report":
@@ -156,9 +170,8 @@ def main(argv: list[str]) -> None:
     if hc.init_from and not (Path(hc.init_from) / "config.json").exists():
         raise SystemExit(f"heads.init_from={hc.init_from}: no checkpoint there (train it first, or set null)")
     warmup_phase = cfg.target.mode == "joint" and cfg.joint.drafter_warmup_steps > 0
-    accelerator, log = make_accelerator(
-        tc, find_unused=warmup_phase, target=cfg.target
-    )  # the target's parameters idle in warm-up
+    # the target's parameters idle in warm-up, which DDP must be told
+    accelerator, log = make_accelerator(tc, find_unused=warmup_phase, target=cfg.target)
     world = accelerator.num_processes
     set_seed(tc.seed)
     t_start = time.time()
@@ -168,21 +181,7 @@ def main(argv: list[str]) -> None:
 
     # ---- heads (and, for Medusa-2, the target that trains with them)
     joint, jc = cfg.target.mode == "joint", cfg.joint
-    if hc.init_from:
-        log(f"heads: continuing from {hc.init_from}")
-        heads = MedusaDrafter.from_pretrained(hc.init_from, target, tokenizer)
-    else:
-        heads = MedusaDrafter.from_target(target, hc.num_heads, hc.num_layers, hc.shared_head, tokenizer)
-    trainable = sum(p.numel() for p in heads.parameters() if p.requires_grad)
-    log(
-        f"heads: {hc.num_heads} x {hc.num_layers} ResBlock, {'shared' if hc.shared_head else 'per-head'} lm_head, "
-        f"{trainable / 1e6:.1f} M trainable parameters"
-        + (
-            f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
-            if joint
-            else ""
-        )
-    )
+    heads = build_heads(cfg, target, tokenizer, log)
     samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
 
     # ---- optimizer, schedule, resume
@@ -191,7 +190,7 @@ def main(argv: list[str]) -> None:
     )
     lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
     before = joint_run.before if joint_run else None  # the quality guard's baseline
-    model, optimizer, *plan = start_training(
+    plan = start_training(
         accelerator, cfg, model, optimizer, len(samples), log, "medusa", before=before, lengths=lengths
     )
 
@@ -214,12 +213,12 @@ def main(argv: list[str]) -> None:
         evaluate=lambda: evaluate(accelerator, target, heads, eval_set, cfg, pad_id),
     )
     step, train_s, last_eval = train_positions(
-        accelerator, tc, task, model, optimizer, plan, lengths, log, joint_run, eval_set is not None
+        accelerator, tc, task, plan, lengths, log, joint_run, eval_set is not None
     )
 
     # ---- save: resumable state, the target's changes (Medusa-2), checkpoint with its static tree, engine exports
     save_training_state(accelerator, out, {"step": step}, tc.keep_states)
-    gathered = full_state(accelerator, model)  # ZeRO-3 / FSDP: the whole set of heads, on the main process
+    gathered = full_state(accelerator, plan.model)  # ZeRO-3 / FSDP: the whole set of heads, on the main process
     accelerator.end_training()
     if not accelerator.is_main_process:
         return

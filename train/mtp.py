@@ -42,26 +42,17 @@ from models.export import mtp_engine_exports  # noqa: E402
 from models.mtp import BLOCK_INITS, INPUT_SIGNALS, MTPConfig, MTPDrafter  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
-from train.data import (
-    DataConfig,  # noqa: E402
-    collate,  # noqa: E402
-)
+from train.config import TrainConfig  # noqa: E402
+from train.data.dataset import DataConfig, collate  # noqa: E402
+from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.features import attention_masks, target_forward  # noqa: E402
 from train.joint import JointConfig, save_target_changes, served, trained_modules  # noqa: E402
-from train.loop import (  # noqa: E402
-    TrainConfig,
-    eval_batches,
-    full_state,
-    load_target_and_data,
-    make_accelerator,
-    report_mode,
-    sample_lengths,
-    stamp_heldout,
-    start_training,
-    to_device,
-)
+from train.loop import load_target_and_data, start_training  # noqa: E402
 from train.losses import position_targets, rank_hits, simulated_tau  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
+from train.progress import stamp_heldout  # noqa: E402
+from train.report_mode import report_mode  # noqa: E402
+from train.schedule import eval_batches, sample_lengths, to_device  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -176,6 +167,38 @@ def evaluate(accelerator, target: TargetModel, drafter: MTPDrafter, eval_set, tc
     }
 
 
+def build_modules(cfg: MTPRecipeConfig, target: TargetModel, tokenizer, log) -> MTPDrafter:
+    """Fresh modules from the target (``mtp.init_from`` null) or the checkpoint to continue (refused when its module
+    count or input signal differs from the recipe's), in training mode, and their log line."""
+    mc = cfg.mtp
+    if mc.init_from:
+        log(f"modules: continuing from {mc.init_from}")
+        drafter = MTPDrafter.from_pretrained(mc.init_from, target, tokenizer)
+        if drafter.config.num_modules != mc.num_modules:
+            raise SystemExit(
+                f"{mc.init_from} has {drafter.config.num_modules} modules, mtp.num_modules is {mc.num_modules}"
+            )
+        if drafter.config.input_signal != mc.input_signal:  # its modules learned to read that signal
+            raise SystemExit(
+                f"{mc.init_from} reads the target's {drafter.config.input_signal} signal, mtp.input_signal is "
+                f"{mc.input_signal}: set mtp.input_signal={drafter.config.input_signal} to continue it"
+            )
+    else:
+        drafter = MTPDrafter.from_target(target, mc.num_modules, tokenizer, mc.block_init, mc.input_signal)
+    drafter.train()
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    joint = (
+        f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
+        if cfg.target.mode == "joint"
+        else ""
+    )
+    log(
+        f"modules: {mc.num_modules} x {drafter.config.block_class} ({mc.block_init}), h^0 = the target's "
+        f"{input_signal(drafter)}, {trainable / 1e6:.1f} M trainable parameters, λ {mc.weights_at(0)}{joint}"
+    )
+    return drafter
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "report":
@@ -194,32 +217,8 @@ def main(argv: list[str]) -> None:
     tokenizer, pad_id, target, _, train_set, eval_set = load_target_and_data(cfg, accelerator, log)
 
     # ---- modules (and, in joint mode, the target that trains with them)
-    if mc.init_from:
-        log(f"modules: continuing from {mc.init_from}")
-        drafter = MTPDrafter.from_pretrained(mc.init_from, target, tokenizer)
-        if drafter.config.num_modules != mc.num_modules:
-            raise SystemExit(
-                f"{mc.init_from} has {drafter.config.num_modules} modules, mtp.num_modules is {mc.num_modules}"
-            )
-        if drafter.config.input_signal != mc.input_signal:  # its modules learned to read that signal
-            raise SystemExit(
-                f"{mc.init_from} reads the target's {drafter.config.input_signal} signal, mtp.input_signal is "
-                f"{mc.input_signal}: set mtp.input_signal={drafter.config.input_signal} to continue it"
-            )
-    else:
-        drafter = MTPDrafter.from_target(target, mc.num_modules, tokenizer, mc.block_init, mc.input_signal)
-    drafter.train()
+    drafter = build_modules(cfg, target, tokenizer, log)
     signal = input_signal(drafter)  # read here: the loop's ``model`` may be a distributed wrapper
-    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    log(
-        f"modules: {mc.num_modules} x {drafter.config.block_class} ({mc.block_init}), h^0 = the target's {signal}, "
-        f"{trainable / 1e6:.1f} M trainable parameters, λ {mc.weights_at(0)}"
-        + (
-            f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
-            if joint
-            else ""
-        )
-    )
 
     # ---- optimizer, schedule, resume
     model, optimizer, joint_run = trained_modules(
@@ -227,7 +226,7 @@ def main(argv: list[str]) -> None:
     )
     lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
     before = joint_run.before if joint_run else None  # the quality guard's baseline
-    model, optimizer, *plan = start_training(
+    plan = start_training(
         accelerator, cfg, model, optimizer, len(train_set), log, "mtp", before=before, lengths=lengths
     )
 
@@ -252,12 +251,12 @@ def main(argv: list[str]) -> None:
         log_extra=lambda step: {"lambda": mc.weights_at(step)},
     )
     step, train_s, last_eval = train_positions(
-        accelerator, tc, task, model, optimizer, plan, lengths, log, joint_run, eval_set is not None
+        accelerator, tc, task, plan, lengths, log, joint_run, eval_set is not None
     )
 
     # ---- save: resumable state, the target's changes (joint), checkpoint, engine exports
     save_training_state(accelerator, out, {"step": step}, tc.keep_states)
-    gathered = full_state(accelerator, model)  # ZeRO-3 / FSDP: all modules, on the main process
+    gathered = full_state(accelerator, plan.model)  # ZeRO-3 / FSDP: all modules, on the main process
     accelerator.end_training()
     if not accelerator.is_main_process:
         return

@@ -19,9 +19,12 @@ import torch
 from accelerate import Accelerator
 
 from train.checkpoint import save_training_state
+from train.config import TrainConfig
 from train.joint import JointRun, lm_loss, quality
-from train.loop import Progress, TrainConfig, epoch_batch, record
+from train.loop import TrainingPlan
 from train.losses import position_losses, position_targets
+from train.progress import Progress, record
+from train.schedule import epoch_batch
 
 Targets = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -56,26 +59,33 @@ def train_positions(
     accelerator: Accelerator,
     tc: TrainConfig,
     task: PositionTask,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    plan: tuple[int, int, int, int],
+    plan: TrainingPlan,
     lengths: torch.Tensor | None,
     log,
     joint: JointRun | None,
     with_eval: bool,
 ) -> tuple[int, float, dict]:
-    """Train to ``plan`` = (micro-batches per epoch, total steps, warm-up steps, step to start from: a resumed
-    run's), as `train.loop.start_training` returns it; returns (steps done, training seconds, the last evaluation).
-    ``joint``: where ``model`` is a `JointModel`; None for a frozen target. ``with_eval``: there is a held-out set."""
-    per_epoch, total_steps, warmup, step = plan
+    """Train ``plan.model`` to ``plan.total_steps`` from ``plan.start_step`` (a resumed run's), as
+    `train.loop.start_training` planned it; returns (steps done, training seconds, the last evaluation).
+    ``joint``: where ``plan.model`` is a `JointModel`; None for a frozen target. ``with_eval``: there is a held-out
+    set."""
+    model, optimizer = plan.model, plan.optimizer
     rank, world = accelerator.process_index, accelerator.num_processes
     second = "lm_loss" if joint else None
     progress = Progress(
-        accelerator, tc, total_steps, warmup, step, task.positions, task.name, second, task.position_loss
+        accelerator,
+        tc,
+        plan.total_steps,
+        plan.warmup,
+        plan.start_step,
+        task.positions,
+        task.name,
+        second,
+        task.position_loss,
     )
-    micro, last_eval = step * tc.grad_accum, {}
-    while progress.step < total_steps:
-        ids = epoch_batch(task.num_samples, micro, per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
+    micro, last_eval = plan.start_step * tc.grad_accum, {}
+    while progress.step < plan.total_steps:
+        ids = epoch_batch(task.num_samples, micro, plan.per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
         batch = task.batch_of(ids)
         targets = task.targets(batch)
         positions = [p for p, _ in targets]

@@ -1,7 +1,8 @@
 """Chat rendering: a conversation in the target's chat template, and where its assistant turns are in that text.
 
-Shared by the data pipeline (train/data.py: the loss mask), the answerer (train/answerer.py: the prompts it answers
-and the end-of-turn tokens it stops at) and the chat data (train/chat_data.py); it imports none of them.
+Shared by the dataset (`train.data.dataset`: the loss mask), the answerer (`train.data.answerer`: the prompts it
+answers and the end-of-turn tokens it stops at) and the chat build (`train.data.target_written`); it imports none of
+them.
 
 Finding the assistant spans. Both methods produce *character* spans in the rendered conversation;
 the text is then tokenised segment by segment, cut at the span edges, so no token straddles an edge:

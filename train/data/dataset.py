@@ -11,7 +11,7 @@ Loss-mask convention: ``loss_mask[t] == 1`` means token ``t`` is a training *tar
 the assistant contents plus the end-of-turn token the template writes right after them (the model must
 learn to stop), and 0 on system/user turns and template text. For raw text every token is a target.
 
-Finding the assistant spans: ``train.chat_render`` (the ``generation`` and ``diff`` methods, their limits).
+Finding the assistant spans: `train.data.chat_render` (the ``generation`` and ``diff`` methods, their limits).
 
 Segment-wise tokenisation is also what the target sees at inference: the prompt (ending with the
 generation prompt) is tokenised on its own and the model then emits the content tokens. A training
@@ -31,11 +31,6 @@ same inputs reads the cache files instead of recomputing.
 
 from __future__ import annotations
 
-import bisect
-import json
-import os
-import re
-import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +40,7 @@ import datasets
 import jinja2
 import torch
 
-from train.chat_render import SpanError, diff_spans, generation_spans, has_generation_markers, render
+from train.data.chat_render import SpanError, diff_spans, generation_spans, has_generation_markers
 
 FORMATS = ("auto", "sharegpt", "messages", "text")
 SPAN_METHODS = ("auto", "generation", "diff")
@@ -368,237 +363,3 @@ def packed_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
     same = segment[:, :, None] == segment[:, None, :]
     causal = torch.ones(position_ids.shape[-1], position_ids.shape[-1], dtype=torch.bool).tril()
     return (same & causal)[:, None]
-
-
-# --------------------------------------------------------------------------- reference target samples
-def _write_jsonl_atomic(rows: list[dict], path: Path) -> None:
-    """Write to ``<path>.tmp`` then rename, so a reader never sees a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    os.replace(tmp, path)
-
-
-def _line_ends(text: str) -> list[int]:
-    """Character positions where lines start, plus ``len(text)``: the allowed cut points."""
-    cuts = [0] + [m.end() for m in re.finditer("\n", text)]
-    return cuts if cuts[-1] == len(text) else [*cuts, len(text)]
-
-
-def _extend(cuts: list[int], token_starts: list[int], i: int, budget: int) -> int:
-    """Largest line index ``j >= i`` with about ``budget`` tokens or fewer between cuts ``i`` and ``j``."""
-    j = i
-    while j + 1 < len(cuts) and (
-        bisect.bisect_left(token_starts, cuts[j + 1]) - bisect.bisect_left(token_starts, cuts[i]) <= budget
-    ):
-        j += 1
-    return j
-
-
-def build_stdlib_samples(
-    tokenizer,
-    split: str = "train",
-    *,
-    out_dir: str | Path,
-    files: list | None = None,
-    max_files: int | None = None,
-    chunk_tokens: int = 512,
-    prompt_tokens: int = 64,
-    continuation_tokens: int = 128,
-    samples_per_file: int = 2,
-) -> dict:
-    """Write the reference target's corpus as raw-text and chat samples (jsonl) for one split.
-
-    - ``stdlib_<split>_text.jsonl``: ``{"text", "source"}``, each file cut at line starts into chunks of
-      at most ~``chunk_tokens`` tokens (so truncation does not throw away the rest of a long file; a
-      single longer line stays whole and is truncated later).
-    - ``stdlib_<split>_chat.jsonl``: ``{"messages", "source"}``: user = whole lines of source, at most
-      ~``prompt_tokens`` tokens (at least half of that); assistant = the true next lines, at most
-      ~``continuation_tokens`` tokens; ``samples_per_file`` cuts per file at evenly spaced lines.
-
-    Cuts are made at line starts in the text, not at token boundaries: byte-level BPE glues a newline
-    to the next line's indentation, so token boundaries rarely fall at line starts. Token counts come
-    from the whole file's tokenisation (tokens starting between two cuts), hence "about".
-    ``files`` (``eval.stdlib_corpus.SourceFile``s) replaces the stdlib walk; otherwise the split comes
-    from ``eval.stdlib_corpus`` (path hash). Returns the paths and counts.
-    """
-    from eval.stdlib_corpus import split_files, stdlib_files
-
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    if files is None:
-        train_files, heldout_files = split_files(stdlib_files()[0])
-        files = train_files if split == "train" else heldout_files
-    files = files[:max_files] if max_files is not None else files
-    text_rows, chat_rows = [], []
-    for f in files:
-        token_starts = [
-            s for s, _ in tokenizer(f.text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        ]
-        cuts = _line_ends(f.text)
-        i = 0
-        while i < len(cuts) - 1:
-            j = max(i + 1, _extend(cuts, token_starts, i, chunk_tokens))
-            if f.text[cuts[i] : cuts[j]].strip():
-                text_rows.append({"text": f.text[cuts[i] : cuts[j]], "source": f.relpath})
-            i = j
-        for k in range(1, samples_per_file + 1):
-            a = (len(cuts) - 1) * k // (samples_per_file + 1)
-            b = _extend(cuts, token_starts, a, prompt_tokens)
-            c = _extend(cuts, token_starts, b, continuation_tokens)
-            prompt, continuation = f.text[cuts[a] : cuts[b]], f.text[cuts[b] : cuts[c]]
-            n_prompt = bisect.bisect_left(token_starts, cuts[b]) - bisect.bisect_left(token_starts, cuts[a])
-            if n_prompt < prompt_tokens // 2 or not prompt.strip() or not continuation.strip():
-                continue
-            chat_rows.append(
-                {
-                    "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": continuation}],
-                    "source": f.relpath,
-                }
-            )
-    out_dir = Path(out_dir)
-    text_path, chat_path = out_dir / f"stdlib_{split}_text.jsonl", out_dir / f"stdlib_{split}_chat.jsonl"
-    _write_jsonl_atomic(text_rows, text_path)
-    _write_jsonl_atomic(chat_rows, chat_path)
-    return {
-        "text_path": str(text_path),
-        "chat_path": str(chat_path),
-        "files": len(files),
-        "text_rows": len(text_rows),
-        "chat_rows": len(chat_rows),
-    }
-
-
-# --------------------------------------------------------------------------- self-distillation
-def regenerate_dataset(
-    model,
-    tokenizer,
-    cfg: DataConfig,
-    out_path: str | Path,
-    *,
-    temperature: float = 0.0,
-    max_new_tokens: int = 256,
-    batch_size: int = 8,
-    limit: int | None = None,
-    seed: int = 0,
-    show_progress: bool = True,
-) -> dict:
-    """Replace every assistant turn with the target's own answer; write a ``messages`` jsonl atomically.
-
-    Turns are regenerated in order: turn k is generated from the original system/user turns and the
-    *regenerated* turns < k. Prompts are batched with left padding. Generation stops at EOS or the
-    template's end-of-turn token; special tokens are dropped from the decoded text so control tokens
-    never leak into content. A turn that comes out empty, or whose prompt plus ``max_new_tokens``
-    exceeds ``cfg.max_length``, ends the conversation before it (the row is kept when it still has a
-    regenerated assistant turn, else skipped). Turns that hit ``max_new_tokens`` are kept (counted):
-    the template will close them with an end-of-turn token the target did not emit.
-
-    Rows of prompts alone (user turns without answers, Spec-Bench ``turns`` or a ``prompt`` column) are answered.
-    The answering is `train.answerer`'s (the project's KV-cached loop, length-bucketed batches): each finished batch
-    is a shard under ``<out_path>.shards/``; a rerun with the same arguments answers only what no shard holds, and
-    the output file appears (atomically, in input order) only when all rows are done, the shards then removed.
-    """
-
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    raw = load_raw(cfg)
-    if "messages" not in raw.column_names and "conversations" not in raw.column_names:
-        raw = _prompt_rows_as_messages(raw)
-    fmt = detect_format(raw.column_names, cfg.format)
-    if fmt == "text":
-        raise ValueError("regeneration needs chat data (messages, sharegpt, or prompt / turns rows), got raw text")
-    if render(tokenizer, [{"role": "user", "content": "x"}], True) == render(
-        tokenizer, [{"role": "user", "content": "x"}]
-    ):
-        raise ValueError("the chat template ignores add_generation_prompt; cannot prompt the target for a turn")
-    if limit is not None:
-        raw = raw.select(range(min(limit, len(raw))))
-    reasons = (
-        "missing_field",
-        "unknown_role",
-        "empty_conversation",
-        "empty_assistant_turn",
-        "no_assistant_turn",
-        "template_error",
-        "empty_generation",
-        "prompt_too_long",
-    )
-    skipped = Counter({reason: 0 for reason in reasons})
-    conversations = []
-    for row in raw:
-        messages, reason = normalize_conversation(row, fmt, prompt_only=True)
-        if messages is None:
-            skipped[reason] += 1
-        else:
-            conversations.append(messages)
-    from models.target import TargetModel
-    from train.answerer import AnswerConfig, Job, answer, read_shards
-
-    # one job per conversation: the system / user messages before each original assistant turn are a segment, and the
-    # target answers after each (turn k sees the regenerated turns < k); trailing turns without an answer are dropped
-    jobs = []
-    for i, messages in enumerate(conversations):
-        segments, current = [], []
-        for m in messages:
-            if m["role"] == "assistant":
-                segments.append(current)
-                current = []
-            else:
-                current.append(m)
-        if segments:
-            jobs.append(Job(str(i), segments))
-        else:
-            skipped["no_assistant_turn"] += 1
-    if not isinstance(model, TargetModel):
-        model = TargetModel(model)
-    out_path = Path(out_path)
-    shards = out_path.with_name(out_path.name + ".shards")
-    settings = AnswerConfig(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        batch_size=batch_size,
-        max_length=cfg.max_length,
-        seed=seed,
-    )
-    # one process answers all and writes the file (the shards still make it resumable)
-    counts = answer(model, tokenizer, jobs, settings, shards, "regenerate", lambda m: None, show_progress, (0, 1))
-    rows = read_shards(shards)
-    written = [rows[j.id] for j in jobs if j.id in rows]
-    for reason, name in (("empty_answer", "empty_generation"), ("prompt_too_long", None), ("template_error", None)):
-        skipped[name or reason] += counts[f"no_answer_{reason}"]  # ended before any answer: the row is skipped
-    cut_short = sum("ended" in row for row in written)
-    _write_jsonl_atomic([{"messages": row["messages"]} for row in written], out_path)
-    shutil.rmtree(shards)
-    return {
-        "rows_read": len(raw),
-        "rows_written": len(written),
-        "turns_regenerated": counts["answers"],
-        "turns_hit_max_new_tokens": counts["hit_max_new_tokens"],
-        "rows_cut_short": cut_short,
-        "skipped": dict(skipped),
-        "tokens_per_s": counts["tokens_per_s"],
-    }
-
-
-def _prompt_rows_as_messages(raw: datasets.Dataset) -> datasets.Dataset:
-    """Spec-Bench ``turns`` (user turns) or ``prompt`` rows → ``messages`` rows of user turns, for regeneration."""
-    if "turns" in raw.column_names:
-        key = "turns"
-    elif "prompt" in raw.column_names:
-        key = "prompt"
-    else:
-        return raw  # detect_format names what is missing
-
-    def to_messages(value) -> dict:
-        turns = value if isinstance(value, list) else [value]
-        msgs = [{"role": "user", "content": t} for t in turns if isinstance(t, str)]
-        # one answer slot after each user turn except the last (normalize_conversation adds that one)
-        out = []
-        for i, m in enumerate(msgs):
-            out.append(m)
-            if i + 1 < len(msgs):
-                out.append({"role": "assistant", "content": "(to be regenerated)"})
-        return {"messages": out}
-
-    return raw.map(to_messages, input_columns=key, remove_columns=raw.column_names)

@@ -18,7 +18,7 @@ from pathlib import Path
 import datasets
 
 from models.target import TargetModel
-from train.answerer import AnswerConfig, Job, answer, read_shards
+from train.data.answerer import AnswerConfig, Job, answer, read_shards
 
 
 @dataclass
@@ -50,7 +50,7 @@ def write_self_distilled(
     seed: int = 0,
     log=print,
 ) -> None:
-    """Continue ``cfg.samples`` random training prompts with the target (`train.answerer`: batched, one shard per
+    """Continue ``cfg.samples`` random training prompts with the target (`train.data.answerer`: batched, one shard per
     finished batch under ``<path>.shards/``, resumable) and write them as one jsonl of ``input_ids`` + ``loss_mask``
     rows. ``pad_id`` is unused (the answerer's slot layout needs none); kept for the entry scripts' call."""
     rows = train_set.shuffle(seed=seed + 1).filter(lambda ids: len(ids) > cfg.prompt_tokens, input_columns="input_ids")

@@ -1,9 +1,9 @@
-"""Training requests per task family (train/families.py): prose extraction, templated and derived tasks, and the
+"""Training requests per task family (train/data/tasks.py): prose extraction, templated and derived tasks, and the
 disjointness from every evaluation prompt."""
 
 import json
 
-from train.families import (
+from train.data.tasks import (
     LANGUAGES,
     OPENERS,
     Disjoint,

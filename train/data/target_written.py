@@ -11,7 +11,7 @@ Three kinds of prompts (DESIGN.md §5, REFERENCE.md "Data without hubs"):
 - multi-turn: a share of the conversations gets a second user turn (a follow-up from a fixed list); its answer is
   generated after, and conditioned on, the target's own first answer.
 
-Then the target answers every user turn (self-distillation through `train.answerer`, batched and length-bucketed,
+Then the target answers every user turn (self-distillation through `train.data.answerer`, batched and length-bucketed,
 greedy by default: the T = 0 report measures the target's greedy text). Requests are appended per batch to a jsonl
 (flushed and fsynced; a torn last line is dropped); answers go to one shard per finished batch. Both resume, so an
 interrupted build continues where it stopped. Requests use one seed per batch; greedy answers do not depend on how
@@ -19,7 +19,7 @@ the rows were batched (up to rounding-level ties). Under ``accelerate launch`` t
 (disjoint shards) and the main process merges.
 A held-out share of the magpie prompts becomes the ``chat`` evaluation set instead (never answered for training).
 
-    python -m train.chat_data --target smollm2-135m-instruct --out outputs/smollm2-data --magpie 2000 --code 1500
+    python -m train.data.target_written --target smollm2-135m-instruct --out outputs/smollm2-data --magpie 2000 --code 1500
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import gzip
 import json
-import os
 import random
 import re
 import time
@@ -44,14 +42,15 @@ from eval.stdlib_corpus import split_files, stdlib_files
 from infer.generate import decode_continuous
 from infer.sampling import SamplingParams
 from models.target import TargetModel
-from train.answerer import AnswerConfig, Job, answer, rank_and_world, read_shards
-from train.chat_render import end_of_turn_token_ids, render
-from train.families import (
-    FAMILIES,
-    KIND_FAMILY,
+from train.data.answerer import AnswerConfig, Job, answer, rank_and_world, read_shards
+from train.data.chat_render import end_of_turn_token_ids, render
+from train.data.files import append_jsonl, read_jsonl, write_jsonl_gz
+from train.data.tasks import (
     MT_FOLLOW_UPS,
     OPENERS,
     SHINGLE,
+    TASK_FAMILIES,
+    TASK_FAMILY_OF_KIND,
     Disjoint,
     derived_tasks,
     evaluation_prompts,
@@ -108,7 +107,7 @@ class BuildConfig:
     articles: int = 800
     """News-style articles for the target to write; pass 2 summarises them and asks questions over them."""
     heldout_per_family: int = 16
-    """First steered requests of each family kept out of training (``families_heldout.jsonl``)."""
+    """First steered requests of each task family kept out of training (``families_heldout.jsonl``)."""
     multi_turn: float = 0.2
     """Share of conversations that get a second user turn."""
     answer_temperature: float = 0.0
@@ -121,27 +120,6 @@ class BuildConfig:
     """Answer only the first N training conversations (0 = all); the order is a seeded mix of the kinds, so a limit
     keeps their proportions, and a later build with a higher limit (or 0) answers the rest."""
     seed: int = 0
-
-
-def _append_jsonl(path: Path, rows: list[dict]) -> None:
-    """Append whole rows and flush them to disk: a crash loses at most the batch being generated."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    """Rows of a jsonl written by `_append_jsonl`; a torn last line (a crash mid-write) is dropped."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
 
 
 def normalize(text: str) -> str:
@@ -221,30 +199,30 @@ def code_tasks(n: int, seed: int) -> list[dict]:
 
 @torch.no_grad()
 def synthesize_requests(
-    target: TargetModel, tokenizer, cfg: BuildConfig, path: Path, log=print, family: str = "chat", count: int = -1
+    target: TargetModel, tokenizer, cfg: BuildConfig, path: Path, log=print, task_family: str = "chat", count: int = -1
 ) -> list[dict]:
     """Magpie: sample user requests from the bare user-turn header until ``count`` (default ``cfg.magpie``) pass the
-    filter. A family with openers (`train.families.OPENERS`) is steered: each row's user turn starts with one of
+    filter. A task family with openers (`train.data.tasks.OPENERS`) is steered: each row's user turn starts with one of
     them, and the request is the opener plus what the target wrote after it. Kept requests are appended to ``path``
     16 at a time (resumable: a rerun keeps them and samples the rest)."""
     count = cfg.magpie if count < 0 else count
     header = user_turn_prefix(tokenizer)
-    openers = OPENERS.get(family, ("",))
-    kind = "magpie" if family == "chat" else family
+    openers = OPENERS.get(task_family, ("",))
+    kind = "magpie" if task_family == "chat" else task_family
     stop = tuple(end_of_turn_token_ids(tokenizer)) or (tokenizer.eos_token_id,)
-    rows = _read_jsonl(path)
+    rows = read_jsonl(path)
     filt = RequestFilter([r["turns"][0] for r in rows])
     flushes = len({r["batch"] for r in rows})
-    bar = tqdm(total=count, initial=len(rows), desc=f"{family} requests")
+    bar = tqdm(total=count, initial=len(rows), desc=f"{task_family} requests")
     t0, tokens, pending = time.time(), 0, []
     # one random stream per run (a resumed build samples afresh), seeded by where it starts
-    seed = cfg.seed * 1_000_003 + len(rows) + FAMILIES.index(family) * 100_003
+    seed = cfg.seed * 1_000_003 + len(rows) + TASK_FAMILIES.index(task_family) * 100_003
     rng = random.Random(seed)
     params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=128, seed=seed)
 
     def flush() -> None:
         nonlocal flushes
-        _append_jsonl(path, pending)
+        append_jsonl(path, pending)
         rows.extend(pending)
         bar.update(len(pending))
         pending.clear()
@@ -279,9 +257,9 @@ def synthesize_requests(
         if pending:
             flush()
         if len(rows) < count:
-            log(f"{family} requests: stopped after {attempts[0]} samples with {len(rows)} of {count} kept")
+            log(f"{task_family} requests: stopped after {attempts[0]} samples with {len(rows)} of {count} kept")
     bar.close()
-    log(f"{family} requests: {len(rows)} kept; rejected this run {filt.rejected}")
+    log(f"{task_family} requests: {len(rows)} kept; rejected this run {filt.rejected}")
     return rows[:count]
 
 
@@ -294,7 +272,7 @@ def split_heldout(requests: list[dict], heldout: int) -> tuple[list[dict], list[
 def answer_conversations(
     target: TargetModel, tokenizer, convs: list[dict], cfg: BuildConfig, out: Path, log=print
 ) -> dict:
-    """Answer every user turn of every conversation with the target (`train.answerer`: batched, length-bucketed,
+    """Answer every user turn of every conversation with the target (`train.data.answerer`: batched, length-bucketed,
     one shard per finished batch under ``out``, resumable, ranks sharing the work).
 
     Row format: ``{"id", "kind", "messages": [...]}`` (roles user/assistant; the template adds its system turn).
@@ -329,30 +307,28 @@ def add_follow_ups(convs: list[dict], share: float, seed: int) -> list[dict]:
     return out
 
 
-def write_gz(rows: list[dict], path: Path) -> None:
-    """Deterministic gzip (no timestamp in the header) of a jsonl, written atomically."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
-        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
-    os.replace(tmp, path)
-
-
-def family_requests(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=print) -> dict:
-    """Every first-pass request of the build by family: self-written (Magpie, bare for chat, steered for qa / math /
+def task_requests(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=print) -> dict:
+    """Every first-pass request of the build by task family: self-written (Magpie, bare for chat, steered for qa / math /
     mt_bench) and templated (code, math word problems, summaries, RAG and translations over offline prose, articles
     to write). Returns ``{"train": [...], "heldout": {family: [...]}, "dropped_as_eval_overlap": n}``; held-out
-    requests are the first ``cfg.heldout_per_family`` of each steered family (the first ``cfg.heldout_chat`` for
+    requests are the first ``cfg.heldout_per_family`` of each steered task family (the first ``cfg.heldout_chat`` for
     chat), never trained on."""
     chat = synthesize_requests(target, tokenizer, cfg, out_dir / "magpie_requests.jsonl", log)
     train, chat_heldout = split_heldout(chat, cfg.heldout_chat)
     heldout = {"chat": chat_heldout}
     steered = {"qa": cfg.qa, "math_reasoning": cfg.math_reasoning, "mt_bench": cfg.mt_bench}
-    for family, n in steered.items():
+    for task_family, n in steered.items():
         if n:
             rows = synthesize_requests(
-                target, tokenizer, cfg, out_dir / f"{family}_requests.jsonl", log, family, n + cfg.heldout_per_family
+                target,
+                tokenizer,
+                cfg,
+                out_dir / f"{task_family}_requests.jsonl",
+                log,
+                task_family,
+                n + cfg.heldout_per_family,
             )
-            train_rows, heldout[family] = split_heldout(rows, cfg.heldout_per_family)
+            train_rows, heldout[task_family] = split_heldout(rows, cfg.heldout_per_family)
             train += train_rows
     train += code_tasks(cfg.code, cfg.seed) + math_tasks(cfg.math_templates, cfg.seed)
     if cfg.summarization or cfg.rag or cfg.translation:
@@ -371,8 +347,8 @@ def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=p
     format, the ``chat`` evaluation prompts) and ``families_heldout.jsonl`` (every held-out request, category = its
     family: a Spec-Bench-format file disjoint from training) into ``out_dir`` once the answers are complete.
 
-    Pass 1 answers every request (`family_requests`); pass 2 answers the tasks derived from pass-1 answers
-    (`train.families.derived_tasks`: translations back into English, summaries of and RAG over the articles the
+    Pass 1 answers every request (`task_requests`); pass 2 answers the tasks derived from pass-1 answers
+    (`train.data.tasks.derived_tasks`: translations back into English, summaries of and RAG over the articles the
     target wrote)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -383,7 +359,7 @@ def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=p
 
         state = PartialState()
     with state.main_process_first() if state is not None else contextlib.nullcontext():
-        requests = family_requests(target, tokenizer, cfg, out_dir, log)
+        requests = task_requests(target, tokenizer, cfg, out_dir, log)
     heldout = requests["heldout"]
     convs = add_follow_ups(requests["train"], cfg.multi_turn, cfg.seed)
     follow_up_check = Disjoint(evaluation_prompts())  # the follow-ups come from a fixed list: check every turn again
@@ -409,9 +385,9 @@ def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=p
             return {"this_run": counts}
     answered_derived = read_shards(out_dir / "answers_derived")
     rows += [answered_derived[c["id"]] for c in derived if c["id"] in answered_derived]
-    write_gz(rows, out_dir / "train.jsonl.gz")
+    write_jsonl_gz(rows, out_dir / "train.jsonl.gz")
     held = read_shards(out_dir / "answers_heldout")
-    write_gz([held[c["id"]] for c in heldout["chat"] if c["id"] in held], out_dir / "heldout.jsonl.gz")
+    write_jsonl_gz([held[c["id"]] for c in heldout["chat"] if c["id"] in held], out_dir / "heldout.jsonl.gz")
     for name, families in (("chat_heldout.jsonl", ("chat",)), ("families_heldout.jsonl", tuple(heldout))):
         with open(out_dir / name, "w", encoding="utf-8") as f:
             f.writelines(
@@ -419,7 +395,7 @@ def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=p
                 for fam in families
                 for r in heldout[fam]
             )
-    by_family = family_counts(rows, tokenizer)
+    by_family = task_family_counts(rows, tokenizer)
     summary = {
         "conversations": len(rows),
         "by_kind": {k: sum(r["kind"] == k for r in rows) for k in sorted({r["kind"] for r in rows})},
@@ -438,21 +414,21 @@ def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=p
     return summary
 
 
-def family_counts(rows: list[dict], tokenizer) -> dict[str, dict]:
-    """Per family: conversations, answers and answer tokens (the target's tokenizer)."""
+def task_family_counts(rows: list[dict], tokenizer) -> dict[str, dict]:
+    """Per task family: conversations, answers and answer tokens (the target's tokenizer)."""
     out: dict[str, dict] = {}
     for r in rows:
-        fam = KIND_FAMILY.get(r["kind"], r["kind"])
+        fam = TASK_FAMILY_OF_KIND.get(r["kind"], r["kind"])
         answers = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
         entry = out.setdefault(fam, {"conversations": 0, "answers": 0, "answer_tokens": 0})
         entry["conversations"] += 1
         entry["answers"] += len(answers)
         entry["answer_tokens"] += sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)
-    return {f: out[f] for f in FAMILIES if f in out}
+    return {f: out[f] for f in TASK_FAMILIES if f in out}
 
 
 def data_card(rows: list[dict], heldout: list[dict], cfg: BuildConfig, summary: dict, target_name: str) -> str:
-    """What the data is, how it was made and how big it is, per family (token counts with the target's tokenizer)."""
+    """What the data is, how it was made and how big it is, per task family (token counts with the target's tokenizer)."""
     settings = ", ".join(f"{k} {v}" for k, v in vars(cfg).items())
     table = "\n".join(
         f"| {fam} | {c['conversations']:,} | {c['answers']:,} | {c['answer_tokens']:,} |"
@@ -461,7 +437,8 @@ def data_card(rows: list[dict], heldout: list[dict], cfg: BuildConfig, summary: 
     kinds = ", ".join(f"{k} {n:,}" for k, n in summary["by_kind"].items())
     return f"""# Self-distilled chat data for {target_name}
 
-Built without any hub by `python -m train.chat_data` (train/chat_data.py, train/families.py; resumable) with
+Built without any hub by `python -m train.data.target_written` (train/data/target_written.py, train/data/tasks.py;
+resumable) with
 {settings}.
 
 | family | conversations | answers | answer tokens |

@@ -1,7 +1,7 @@
 """Training requests for the task families users bring, built offline: steered self-written requests and templated
 tasks over text every machine has.
 
-A drafter accepts what it has seen the target do. Spec-Bench's six families (multi-turn conversation, translation,
+A drafter accepts what it has seen the target do. Spec-Bench's six task families (multi-turn conversation, translation,
 summarization, question answering, math reasoning, retrieval-augmented answers with the documents in the prompt),
 plus chat and code, each get requests here (docs/decisions.md, "Breadth of training requests"):
 
@@ -36,11 +36,12 @@ from pathlib import Path
 
 from eval.stdlib_corpus import split_files, stdlib_files
 
-FAMILIES = ("chat", "code", "mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
-"""Spec-Bench's six plus chat and code. A row's ``kind`` is its family, except the bare Magpie requests (``magpie``,
+TASK_FAMILIES = ("chat", "code", "mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+"""The task families (not to be confused with drafter families, `infer.families`): Spec-Bench's six plus chat and
+code. A row's ``kind`` is its task family, except the bare Magpie requests (``magpie``,
 the chat family) and the first-pass ``article`` requests (chat-like writing whose answers seed summarization and
 RAG)."""
-KIND_FAMILY = {"magpie": "chat", "article": "chat"}
+TASK_FAMILY_OF_KIND = {"magpie": "chat", "article": "chat"}
 
 OPENERS = {
     "qa": (
@@ -223,7 +224,7 @@ def evaluation_prompts(root: Path | None = None) -> list[str]:
     """Every user turn of every evaluation prompt file the project ships (Spec-Bench format jsonl). The other
     built-in categories are disjoint by construction: HumanEval stubs are never templated, and ``copy`` / ``long``
     use the stdlib corpus's held-out files, which `prose_passages` and the code tasks leave out."""
-    root = root or Path(__file__).resolve().parents[1]
+    root = root or Path(__file__).resolve().parents[2]
     texts = []
     for path in sorted([*root.glob("eval/prompts/*.jsonl"), *root.glob("docs/reports/*.jsonl")]):
         for line in path.read_text(encoding="utf-8").splitlines():

@@ -1,7 +1,7 @@
 """The one answerer: the target writes the text its drafter trains on, for every self-distillation path.
 
-Chat data (`train.chat_data`), regeneration of an existing chat dataset (`train.data.regenerate_dataset`,
-``drafters regenerate``) and raw-text continuations (`train.self_distill`) all hand their work here as `Job`s:
+Chat data (`train.data.target_written`), regeneration of an existing chat dataset (`train.data.regenerate`,
+``drafters regenerate``) and raw-text continuations (`train.data.self_distill`) all hand their work here as `Job`s:
 
 - a chat job is a list of *segments*, the system / user messages that come before each answer; the answers are
   written in order, answer k seeing the target's own answers before it (turn-by-turn self-distillation);
@@ -43,7 +43,7 @@ from eval.measure import prepare_target, stop_ids  # prepare_target: the entry p
 from infer.generate import decode_continuous
 from infer.sampling import SamplingParams
 from models.target import TargetModel
-from train.chat_render import end_of_turn_token_ids, render
+from train.data.chat_render import end_of_turn_token_ids, render
 
 
 @dataclass
@@ -165,96 +165,109 @@ def answer(
     out_dir.mkdir(parents=True, exist_ok=True)
     rank, world = share or rank_and_world()
     done = set(read_shards(out_dir))
-    mine = [(i, j) for i, j in enumerate(jobs) if i % world == rank and j.id not in done]
-    if len({j.prompt_ids is None for _, j in mine}) > 1:
+    mine = [j for i, j in enumerate(jobs) if i % world == rank and j.id not in done]
+    if len({j.prompt_ids is None for j in mine}) > 1:
         raise ValueError("one call answers chat jobs or continuation jobs, not both")
-    chat = bool(mine) and mine[0][1].prompt_ids is None
+    chat = bool(mine) and mine[0].prompt_ids is None
     stop = answer_stop_ids(tokenizer, target.model) if chat else ()  # continuations run their full length
-    counts: Counter = Counter(rows_written=0, answer_tokens=0, answers=0, hit_max_new_tokens=0)
-    counts.update({f"{pre}{r}": 0 for pre in ("", "no_answer_") for r in ENDINGS})
     share = sum(1 for i in range(len(jobs)) if i % world == rank)
     name = desc if world == 1 else f"{desc} (rank {rank}/{world})"
     bar = tqdm(total=share, initial=share - len(mine), desc=name, disable=not progress)
-    shard_no = len(_shards(out_dir, rank))
-    finished: list[dict] = []
-    t0 = time.time()
-
-    def flush(at_least: int) -> None:
-        nonlocal shard_no
-        if len(finished) >= max(at_least, 1):
-            _write_shard(out_dir, rank, shard_no, finished)
-            shard_no += 1
-            counts["rows_written"] += len(finished)
-            finished.clear()
-
-    def finish(row: dict | None) -> None:
-        if row is not None:
-            finished.append(row)
-        bar.update(1)
-        bar.set_postfix(tok_s=f"{counts['answer_tokens'] / max(time.time() - t0, 1e-9):.0f}")
-        flush(cfg.batch_size)
-
-    convs = {j.id: _Conversation(j) for _, j in mine}
-    queue: list[tuple[str, list[int]]] = []  # (job id, prompt): next turns first, then new jobs by length
-    fresh: list[tuple[str, list[int]]] = []
-    for _, job in mine:
-        if not chat:
-            fresh.append((job.id, list(job.prompt_ids)))
-            continue
-        prompt = convs[job.id].next_prompt(tokenizer, cfg)
-        if prompt is None:
-            counts[convs[job.id].ending_key()] += 1
-            finish(None)
-        else:
-            fresh.append((job.id, prompt))
-    fresh.sort(key=lambda kp: len(kp[1]))  # similar lengths join together: little left padding
-
-    def submit(n: int) -> list[tuple[str, list[int]]]:
-        out = queue[:n]
-        del queue[:n]
-        while len(out) < n and fresh:
-            out.append(fresh.pop(0))
-        counts["prompt_tokens"] += sum(len(p) for _, p in out)  # every turn's prompt is prefilled whole
-        return out
-
-    def on_done(key: str, toks: list[int]) -> None:
-        counts["answer_tokens"] += len(toks)
-        counts["answers"] += 1
-        conv = convs[key]
-        if not chat:
-            ids = list(conv.job.prompt_ids) + toks
-            return finish({"id": key, **conv.job.meta, "input_ids": ids, "loss_mask": [1] * len(ids)})
-        complete = bool(toks) and toks[-1] in stop
-        counts["hit_max_new_tokens"] += int(not complete)
-        conv.add_answer(tokenizer.decode(toks[:-1] if complete else toks, skip_special_tokens=True).strip())
-        prompt = conv.next_prompt(tokenizer, cfg) if conv.ended is None else None
-        if prompt is not None:
-            queue.append((key, prompt))
-            return
-        if conv.ended is not None:
-            counts[conv.ending_key()] += 1
-        finish(conv.row())
-
+    run = _Answering(tokenizer, cfg, out_dir, rank, chat, stop, bar)
+    run.start(mine)
     params = SamplingParams(
         temperature=cfg.temperature,
         max_new_tokens=cfg.max_new_tokens if chat else cfg.new_tokens,
-        seed=_seed(cfg, mine[0][1].id if mine else "", rank),
+        seed=_seed(cfg, mine[0].id if mine else "", rank),
     )
     try:
         if mine:
-            decode_continuous(target, submit, on_done, params, stop, cfg.batch_size, cfg.refill)
+            decode_continuous(target, run.submit, run.on_done, params, stop, cfg.batch_size, cfg.refill)
     finally:  # a run stopped by Ctrl-C (or a crash) keeps its finished rows and still says how fast it went
-        flush(1)
+        run.flush(1)
         bar.close()
-        seconds = time.time() - t0
-        rate = counts["answer_tokens"] / max(seconds, 1e-9)
-        counts = dict(counts, seconds=round(seconds, 1), tokens_per_s=round(rate, 1))
+        seconds = time.time() - run.t0
+        rate = run.counts["answer_tokens"] / max(seconds, 1e-9)
+        counts = dict(run.counts, seconds=round(seconds, 1), tokens_per_s=round(rate, 1))
         if counts["answers"]:
             counts |= machine_limit(target, counts)
         log(f"{desc}: {json.dumps(counts)}")
         if counts["answers"]:
             log(f"{desc}: {limit_words(counts)}")
     return counts
+
+
+class _Answering:
+    """One `answer` call in flight: the prompts waiting to be decoded (a conversation's next turn ahead of new jobs),
+    the conversations, the finished rows not yet in a shard, and the counts."""
+
+    def __init__(self, tokenizer, cfg: AnswerConfig, out_dir: Path, rank: int, chat: bool, stop, bar) -> None:
+        self.tokenizer, self.cfg, self.chat, self.stop, self.bar = tokenizer, cfg, chat, stop, bar
+        self.out_dir, self.rank = out_dir, rank
+        self.counts: Counter = Counter(rows_written=0, answer_tokens=0, answers=0, hit_max_new_tokens=0)
+        self.counts.update({f"{pre}{r}": 0 for pre in ("", "no_answer_") for r in ENDINGS})
+        self.shard_no = len(_shards(out_dir, rank))
+        self.finished: list[dict] = []
+        self.convs: dict[str, _Conversation] = {}
+        self.queue: list[tuple[str, list[int]]] = []  # (job id, prompt): next turns first, then new jobs by length
+        self.fresh: list[tuple[str, list[int]]] = []
+        self.t0 = time.time()
+
+    def start(self, jobs: list[Job]) -> None:
+        """Every job's first prompt, shortest first: similar lengths join together, so little is left-padded."""
+        self.convs = {j.id: _Conversation(j) for j in jobs}
+        for job in jobs:
+            if not self.chat:
+                self.fresh.append((job.id, list(job.prompt_ids)))
+                continue
+            prompt = self.convs[job.id].next_prompt(self.tokenizer, self.cfg)
+            if prompt is None:
+                self.counts[self.convs[job.id].ending_key()] += 1
+                self.finish(None)
+            else:
+                self.fresh.append((job.id, prompt))
+        self.fresh.sort(key=lambda kp: len(kp[1]))
+
+    def flush(self, at_least: int) -> None:
+        if len(self.finished) >= max(at_least, 1):
+            _write_shard(self.out_dir, self.rank, self.shard_no, self.finished)
+            self.shard_no += 1
+            self.counts["rows_written"] += len(self.finished)
+            self.finished.clear()
+
+    def finish(self, row: dict | None) -> None:
+        if row is not None:
+            self.finished.append(row)
+        self.bar.update(1)
+        self.bar.set_postfix(tok_s=f"{self.counts['answer_tokens'] / max(time.time() - self.t0, 1e-9):.0f}")
+        self.flush(self.cfg.batch_size)
+
+    def submit(self, n: int) -> list[tuple[str, list[int]]]:
+        out = self.queue[:n]
+        del self.queue[:n]
+        while len(out) < n and self.fresh:
+            out.append(self.fresh.pop(0))
+        self.counts["prompt_tokens"] += sum(len(p) for _, p in out)  # every turn's prompt is prefilled whole
+        return out
+
+    def on_done(self, key: str, toks: list[int]) -> None:
+        self.counts["answer_tokens"] += len(toks)
+        self.counts["answers"] += 1
+        conv = self.convs[key]
+        if not self.chat:
+            ids = list(conv.job.prompt_ids) + toks
+            return self.finish({"id": key, **conv.job.meta, "input_ids": ids, "loss_mask": [1] * len(ids)})
+        complete = bool(toks) and toks[-1] in self.stop
+        self.counts["hit_max_new_tokens"] += int(not complete)
+        text = self.tokenizer.decode(toks[:-1] if complete else toks, skip_special_tokens=True).strip()
+        conv.add_answer(text)
+        prompt = conv.next_prompt(self.tokenizer, self.cfg) if conv.ended is None else None
+        if prompt is not None:
+            self.queue.append((key, prompt))
+            return
+        if conv.ended is not None:
+            self.counts[conv.ending_key()] += 1
+        self.finish(conv.row())
 
 
 class _Conversation:
@@ -353,7 +366,7 @@ def limit_words(counts: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """``python -m train.answerer`` / ``drafters bench-answerer``: answer N training requests and print answer
+    """``python -m train.data.answerer`` / ``drafters bench-answerer``: answer N training requests and print answer
     tokens/s beside this machine's limit for the same work (`machine_limit`: its prefill and decode FLOPs over a
     GEMM-rate probe) and their ratio."""
     import argparse
@@ -364,7 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument(
-        "--data", default=str(Path(__file__).parent / "shipped_data" / "smollm2-135m-instruct" / "train.jsonl.gz")
+        "--data", default=str(Path(__file__).parents[1] / "shipped_data" / "smollm2-135m-instruct" / "train.jsonl.gz")
     )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=32)

@@ -1,0 +1,153 @@
+"""Regeneration: an existing chat dataset's assistant turns replaced by the target's own answers (``drafters
+regenerate``, `scripts/regenerate.py`), so the drafter trains on the text it will be asked to draft."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import datasets
+
+from models.target import TargetModel
+from train.data.answerer import AnswerConfig, Job, answer, read_shards
+from train.data.chat_render import render
+from train.data.dataset import DataConfig, detect_format, load_raw, normalize_conversation
+from train.data.files import write_jsonl_atomic
+
+SKIP_REASONS = (
+    "missing_field",
+    "unknown_role",
+    "empty_conversation",
+    "empty_assistant_turn",
+    "no_assistant_turn",
+    "template_error",
+    "empty_generation",
+    "prompt_too_long",
+)
+"""Why a row is not written (the summary counts every reason, zeros included)."""
+
+
+def regenerate_dataset(
+    model,
+    tokenizer,
+    cfg: DataConfig,
+    out_path: str | Path,
+    *,
+    temperature: float = 0.0,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    limit: int | None = None,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> dict:
+    """Replace every assistant turn with the target's own answer; write a ``messages`` jsonl atomically.
+
+    Turns are regenerated in order: turn k is generated from the original system/user turns and the
+    *regenerated* turns < k. Prompts are batched with left padding. Generation stops at EOS or the
+    template's end-of-turn token; special tokens are dropped from the decoded text so control tokens
+    never leak into content. A turn that comes out empty, or whose prompt plus ``max_new_tokens``
+    exceeds ``cfg.max_length``, ends the conversation before it (the row is kept when it still has a
+    regenerated assistant turn, else skipped). Turns that hit ``max_new_tokens`` are kept (counted):
+    the template will close them with an end-of-turn token the target did not emit.
+
+    Rows of prompts alone (user turns without answers, Spec-Bench ``turns`` or a ``prompt`` column) are answered.
+    The answering is `train.data.answerer`'s (the project's KV-cached loop, length-bucketed batches): each finished
+    batch is a shard under ``<out_path>.shards/``; a rerun with the same arguments answers only what no shard holds,
+    and the output file appears (atomically, in input order) only when all rows are done, the shards then removed.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    raw = load_raw(cfg)
+    if "messages" not in raw.column_names and "conversations" not in raw.column_names:
+        raw = _prompt_rows_as_messages(raw)
+    fmt = detect_format(raw.column_names, cfg.format)
+    if fmt == "text":
+        raise ValueError("regeneration needs chat data (messages, sharegpt, or prompt / turns rows), got raw text")
+    if render(tokenizer, [{"role": "user", "content": "x"}], True) == render(
+        tokenizer, [{"role": "user", "content": "x"}]
+    ):
+        raise ValueError("the chat template ignores add_generation_prompt; cannot prompt the target for a turn")
+    if limit is not None:
+        raw = raw.select(range(min(limit, len(raw))))
+    skipped = Counter({reason: 0 for reason in SKIP_REASONS})
+    jobs = _jobs(raw, fmt, skipped)
+    if not isinstance(model, TargetModel):
+        model = TargetModel(model)
+    out_path = Path(out_path)
+    shards = out_path.with_name(out_path.name + ".shards")
+    settings = AnswerConfig(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        batch_size=batch_size,
+        max_length=cfg.max_length,
+        seed=seed,
+    )
+    # one process answers all and writes the file (the shards still make it resumable)
+    counts = answer(model, tokenizer, jobs, settings, shards, "regenerate", lambda m: None, show_progress, (0, 1))
+    rows = read_shards(shards)
+    written = [rows[j.id] for j in jobs if j.id in rows]
+    for reason, name in (("empty_answer", "empty_generation"), ("prompt_too_long", None), ("template_error", None)):
+        skipped[name or reason] += counts[f"no_answer_{reason}"]  # ended before any answer: the row is skipped
+    cut_short = sum("ended" in row for row in written)
+    write_jsonl_atomic([{"messages": row["messages"]} for row in written], out_path)
+    shutil.rmtree(shards)
+    return {
+        "rows_read": len(raw),
+        "rows_written": len(written),
+        "turns_regenerated": counts["answers"],
+        "turns_hit_max_new_tokens": counts["hit_max_new_tokens"],
+        "rows_cut_short": cut_short,
+        "skipped": dict(skipped),
+        "tokens_per_s": counts["tokens_per_s"],
+    }
+
+
+def _jobs(raw: datasets.Dataset, fmt: str, skipped: Counter) -> list[Job]:
+    """One job per conversation (its row number is its id), counting the rows that give none in ``skipped``: the
+    system / user messages before each original assistant turn are a segment, and the target answers after each
+    (turn k sees the regenerated turns < k); trailing turns without an answer are dropped."""
+    conversations = []
+    for row in raw:
+        messages, reason = normalize_conversation(row, fmt, prompt_only=True)
+        if messages is None:
+            skipped[reason] += 1
+        else:
+            conversations.append(messages)
+    jobs = []
+    for i, messages in enumerate(conversations):
+        segments, current = [], []
+        for m in messages:
+            if m["role"] == "assistant":
+                segments.append(current)
+                current = []
+            else:
+                current.append(m)
+        if segments:
+            jobs.append(Job(str(i), segments))
+        else:
+            skipped["no_assistant_turn"] += 1
+    return jobs
+
+
+def _prompt_rows_as_messages(raw: datasets.Dataset) -> datasets.Dataset:
+    """Spec-Bench ``turns`` (user turns) or ``prompt`` rows → ``messages`` rows of user turns, for regeneration."""
+    if "turns" in raw.column_names:
+        key = "turns"
+    elif "prompt" in raw.column_names:
+        key = "prompt"
+    else:
+        return raw  # detect_format names what is missing
+
+    def to_messages(value) -> dict:
+        turns = value if isinstance(value, list) else [value]
+        msgs = [{"role": "user", "content": t} for t in turns if isinstance(t, str)]
+        # one answer slot after each user turn except the last (normalize_conversation adds that one)
+        out = []
+        for i, m in enumerate(msgs):
+            out.append(m)
+            if i + 1 < len(msgs):
+                out.append({"role": "assistant", "content": "(to be regenerated)"})
+        return {"messages": out}
+
+    return raw.map(to_messages, input_columns=key, remove_columns=raw.column_names)

@@ -35,6 +35,7 @@ from infer.batch_policy import BatchPolicy
 from infer.generate import (
     VANILLA_LOOPS,
     DecodeState,
+    depth_tallies,
     generate_speculative,
     generate_vanilla,
     prefill,
@@ -43,21 +44,13 @@ from infer.generate import (
 )
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
-from infer.timing import timed
 from infer.tree import chain
 from infer.tree_search import DynamicTreeConfig
+from models.acceptance import expected_tokens
 from models.target import TargetConfig, TargetModel, load_tokenizer
+from models.timing import RETRIES, best_of, interleaved, monotone, timed
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-
-
-def expected_tokens(alpha: list[float], k: int) -> float:
-    """Tokens per round of a k-draft chain with per-depth acceptance α (bonus included): 1 + Σ_i Π_{j≤i} α_j."""
-    total, run = 1.0, 1.0
-    for a in alpha[:k]:
-        run *= a
-        total += run
-    return total
 
 
 def best_chain_length(
@@ -139,7 +132,7 @@ class ChainSizing:
     """Predicted tokens/s by chain length."""
     vanilla_step_s: float
     """The vanilla loop's step (a plain cached one-token forward), timed beside the verify curve: the denominator
-    of the predicted speedup."""
+    of the predicted speedup. Both are read `fitted_costs`: no verify below vanilla's step, none below a smaller one."""
 
     def predicted_speedup(self, k: int) -> float | None:
         return self.rates[k] * self.vanilla_step_s if k in self.rates else None
@@ -182,14 +175,13 @@ def size_chain(
         for p in prompts[:PILOT_PROMPTS]
     ]
     rounds = max(1, sum(s.rounds for s in stats))
-    att = [sum(s.attempted_at_depth[i] for s in stats if i < len(s.attempted_at_depth)) for i in range(max_k)]
-    acc = [sum(s.accepted_at_depth[i] for s in stats if i < len(s.accepted_at_depth)) for i in range(max_k)]
+    acc, att = depth_tallies(stats, max_k)
     alpha = shrunk_alpha(acc, att, prior, prior_samples)
     draft_step = sum(s.draft_s for s in stats) / rounds / max_k
     overhead = sum(s.bookkeeping_s for s in stats) / rounds
     aux = make(1).signal is TargetSignal.AUX
     curve, vanilla_step = step_costs(target, prompts[0], tuple(range(1, max_k + 2)), SIZING_REPS, aux)
-    vanilla_step = _fastest_vanilla(vanilla_step, baseline, prompts[0])
+    curve, vanilla_step = fitted_costs(curve, _fastest_vanilla(vanilla_step, baseline, prompts[0]))
     k, rates = best_chain_length(alpha, draft_step, curve, overhead)
     sizing = ChainSizing(k, alpha, att, prior, prior_samples, draft_step, overhead, curve, rates, vanilla_step)
     log(f"cost curve: {sizing.account()}")
@@ -251,7 +243,7 @@ def size_tree(
     signal = make(grid[0]).signal
     sizes = tuple(sorted({1, *(g.total_tokens for g in grid)}))
     curve, vanilla_step = step_costs(target, prompts[0], sizes, SIZING_REPS, signal is TargetSignal.AUX)
-    vanilla_step = _fastest_vanilla(vanilla_step, baseline, prompts[0])
+    curve, vanilla_step = fitted_costs(curve, _fastest_vanilla(vanilla_step, baseline, prompts[0]))
     taus, rates = {}, {}
     for tree in grid:
         stats = [
@@ -350,6 +342,7 @@ def size_batch_policy(
         draft_step, overhead = stats.draft_s / rounds / max_k, stats.bookkeeping_s / rounds
         reps = SIZING_REPS if b <= 4 else 3  # a batch-64 forward is ~10x a batch-1 one here
         curve, _ = step_costs(target, prompts[0], tuple(range(1, max_k + 2)), reps, aux, vanilla=False, rows=b)
+        curve = monotone(curve)  # vanilla here is its whole loop step (sampling included): the curve alone is fitted
         # vanilla's own loop on the same rows, in each dtype: what a call left off costs there. One forward timed on
         # one replicated prompt picked bf16 at batch 4 here where the loop on the real rows ran faster in fp32
         vanilla = vanilla_loop_step(target, rows, eos_ids)
@@ -378,6 +371,16 @@ def verify_costs(target: TargetModel, context: list[int], sizes: tuple[int, ...]
     """Seconds of ``verify_tree`` over a chain of n nodes after ``context`` (the fastest of ``reps``); the cache is
     cut back after each call so every call sees the same context length."""
     return step_costs(target, context, sizes, reps, aux, vanilla=False)[0]
+
+
+def fitted_costs(verify_s: dict[int, float], vanilla_step_s: float) -> tuple[dict[int, float], float]:
+    """The costs a sizing rates settings on: the verify curve made non-decreasing in nodes, with vanilla's step below
+    its first point (`models.timing.monotone` over vanilla at 0 nodes, then the curve). Best-of timings err only
+    upwards, so a larger forward timed cheaper than a smaller one lowers the smaller; and where verifying n tokens
+    costs less than vanilla's step, vanilla is credited with that cost too: speculation gains no speedup from the
+    shape alone (the vanilla check reports such a shape from the raw curve)."""
+    both = monotone({0: vanilla_step_s, **verify_s})
+    return {n: both[n] for n in verify_s}, both[0]
 
 
 def _fastest_vanilla(served_step: float, baseline: TargetModel | None, context: list[int]) -> float:
@@ -420,25 +423,18 @@ def step_costs(
         verify_tree(target, state, trees[n], capture_aux=aux)
         crop()
 
-    step = vanilla_steps(target, context)[target.vanilla_loop] if vanilla else None  # in that loop's own cache
-    for n in sizes:  # warm-up
-        run(n)
+    calls: dict = {n: lambda n=n: run(n) for n in sizes}
     if vanilla:
-        step()
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    plain_times: list[float] = []
-    for _ in range(reps):
-        for n in sizes:
-            times[n].append(timed(lambda n=n: run(n), target.device))
-        if vanilla:
-            plain_times.append(timed(step, target.device))
+        calls["vanilla"] = vanilla_steps(target, context)[target.vanilla_loop]  # in that loop's own cache
+    times = interleaved(calls, reps, target.device, retries=RETRIES)
     if any(layer.keys.shape[2] != S for layer in state.cache.layers):
         raise RuntimeError("the cache grew during timing: later sizes saw a longer context")
     # the least disturbed call of each size: on a shared host bursts hit some sizes more than others within one
     # loop (verify 2:161 against vanilla 100 ms in a burst, 87 against 86 outside it), and a ratio of medians carried
-    # them into the sizing; the measured run averages the disturbance over all methods alike
-    curve = {n: min(t) for n, t in times.items()}
-    return curve, min(plain_times) if vanilla else None
+    # them into the sizing; the measured run averages the disturbance over all methods alike. A size whose calls
+    # spread wider than MAX_SPREAD was timed again (`interleaved`'s retries)
+    curve = {n: times[n].best for n in sizes}
+    return curve, times["vanilla"].best if vanilla else None
 
 
 @torch.inference_mode()
@@ -447,9 +443,7 @@ def vanilla_step_cost(target: TargetModel, context: list[int], reps: int, loop: 
     `infer.generate.vanilla_steps`), the fastest of ``reps``: the statistic `step_costs` takes for the verify curve it
     is compared with (a median here against minima there made 2-4-token verifies look faster than one token on a
     bf16 host, 35.5 against 41.9 ms)."""
-    run = vanilla_steps(target, context)[loop or target.vanilla_loop]
-    run()
-    return min(timed(run, target.device) for _ in range(reps))
+    return best_of(vanilla_steps(target, context)[loop or target.vanilla_loop], reps, target.device).best
 
 
 SIZING_REPS = 7
@@ -547,8 +541,7 @@ def eagle3_step_costs(target: TargetModel, drafter_dir: str, context_len: int, r
     )
     out = {}
     for name, step in (("module", drafter.step), ("fused", fused.step)):
-        step(*args)
-        out[name] = statistics.median(timed(lambda step=step: step(*args), target.device) for _ in range(reps))
+        out[name] = best_of(lambda step=step: step(*args), reps, target.device).median
     return out
 
 

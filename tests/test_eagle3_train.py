@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import train.eagle3 as recipe
 from models.config import parse_cli
 from tests.conftest import recipe_args, run_to_end
-from train.losses import eagle3_ttt_loss, shift_left, simulated_tau, ttt_targets
+from train.losses import eagle3_ttt_loss, shift_left, ttt_targets
 from train.optim import warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,12 +192,6 @@ def test_the_head_runs_only_where_a_label_is_read_and_the_loss_is_the_dense_one(
     assert float(res.loss) == pytest.approx(float(total), rel=1e-6)
     for sparse, d in zip(sparse_grads, draft):
         torch.testing.assert_close(sparse, d.grad)
-
-
-def test_simulated_tau():
-    assert simulated_tau([]) == 1.0
-    assert simulated_tau([1.0, 1.0, 1.0]) == 4.0
-    assert simulated_tau([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
 
 
 def test_offline_cache_round_trip_and_disk_refusal(tmp_path, tiny_target, monkeypatch):

@@ -27,6 +27,7 @@ from accelerate.utils import set_seed  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from eval.report import ReportConfig, run_report  # noqa: E402
+from models.acceptance import expected_tokens  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.eagle3 import Eagle3Drafter  # noqa: E402
 from models.export import save_sglang, save_speculators  # noqa: E402
@@ -51,7 +52,7 @@ from train.loop import (  # noqa: E402
     start_training,
     to_device,
 )
-from train.losses import eagle3_ttt_loss, simulated_tau, ttt_targets  # noqa: E402
+from train.losses import eagle3_ttt_loss, ttt_targets  # noqa: E402
 from train.optim import adamw  # noqa: E402
 from train.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled  # noqa: E402
 
@@ -147,7 +148,7 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
     correct, count = accelerator.reduce(correct, "sum"), accelerator.reduce(count, "sum")
     model.train()
     alphas = (correct / count.clamp(min=1)).tolist()
-    return {"eval/acc": alphas, "eval/simulated_tau": simulated_tau(alphas)}
+    return {"eval/acc": alphas, "eval/simulated_tau": expected_tokens(alphas)}
 
 
 # ------------------------------------------------------------------------------------------------ main

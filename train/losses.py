@@ -103,15 +103,6 @@ def eagle3_ttt_loss(draft_logits: list[torch.Tensor], targets: TTTTargets, step_
     return TTTLoss(total, torch.stack(step_loss), torch.stack(step_correct), torch.stack(step_count))
 
 
-def simulated_tau(alphas: list[float]) -> float:
-    """DESIGN.md §4: τ ≈ 1 + Σ_k Π_{i≤k} α_i from per-step top-1 agreement α_i (teacher-forced, so an estimate)."""
-    tau, run = 1.0, 1.0
-    for a in alphas:
-        run *= a
-        tau += run
-    return tau
-
-
 def position_targets(
     input_ids: torch.Tensor, loss_mask: torch.Tensor, position: int, sample_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,7 @@ from accelerate.utils import set_seed  # noqa: E402
 
 from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
 from infer.tree_search import best_rank_paths, expected_accepted  # noqa: E402
+from models.acceptance import expected_tokens  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.export import medusa_original_refusal, save_medusa_original, save_medusa_vllm  # noqa: E402
 from models.medusa import MedusaDrafter  # noqa: E402
@@ -55,7 +56,7 @@ from train.loop import (  # noqa: E402
     start_training,
     to_device,
 )
-from train.losses import position_targets, rank_hits, simulated_tau  # noqa: E402
+from train.losses import position_targets, rank_hits  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
 
 
@@ -140,7 +141,7 @@ def evaluate(accelerator, target, model: MedusaDrafter, eval_set, cfg: MedusaRec
     return {
         "eval/acc": [round(a[0], 4) for a in acc],
         "eval/rank_acc": [[round(x, 4) for x in a] for a in acc],
-        "eval/simulated_tau": simulated_tau([a[0] for a in acc]),
+        "eval/simulated_tau": expected_tokens([a[0] for a in acc]),
         "eval/tree_expected_tau": 1 + expected_accepted(acc, paths),
         "tree_paths": [list(p) for p in paths],
     }

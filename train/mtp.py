@@ -37,6 +37,7 @@ from accelerate.utils import set_seed  # noqa: E402
 from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
 from infer.mtp_proposer import input_signal  # noqa: E402
 from infer.tree_search import expected_accepted  # noqa: E402
+from models.acceptance import expected_tokens  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.export import mtp_engine_exports  # noqa: E402
 from models.mtp import BLOCK_INITS, INPUT_SIGNALS, MTPConfig, MTPDrafter  # noqa: E402
@@ -60,7 +61,7 @@ from train.loop import (  # noqa: E402
     start_training,
     to_device,
 )
-from train.losses import position_targets, rank_hits, simulated_tau  # noqa: E402
+from train.losses import position_targets, rank_hits  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
 
 
@@ -171,7 +172,7 @@ def evaluate(accelerator, target: TargetModel, drafter: MTPDrafter, eval_set, tc
         "eval/depth_loss": [round(x, 4) for x in (loss / count.clamp(min=1)).tolist()],
         "eval/acc": [round(a[0], 4) for a in acc],
         "eval/rank_acc": [[round(x, 4) for x in a] for a in acc],
-        "eval/simulated_tau": simulated_tau([a[0] for a in acc]),
+        "eval/simulated_tau": expected_tokens([a[0] for a in acc]),
         f"eval/tree_top{R}_expected_tau": 1 + expected_accepted(acc, tree),
     }
 

@@ -10,8 +10,8 @@ Usage::
     python -m eval.cost_curve                                      # reference target (SmolLM2), outputs/cost_curve
     python -m eval.cost_curve --drafter models/smollm2_eagle3 --draft DIR --target any/folder --out DIR
 
-Times are medians over ``--reps`` repetitions, with the sizes interleaved within each repetition so that machine
-noise hits every size alike. Writes ``cost_curve.json`` and ``cost_curve.md`` into ``--out``.
+Times are the fastest of ``--reps`` repetitions (a drafter's step: the median), with the sizes interleaved within
+each repetition so that machine noise hits every size alike. Writes ``cost_curve.json`` and ``cost_curve.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 from eval.measure import loop_context, prepare_target, quiet_routing
 from eval.stdlib_corpus import heldout_prompts
 from infer.batch_policy import BatchPolicy
+from infer.families import family_of, load_drafter
 from infer.generate import (
     VANILLA_LOOPS,
     DecodeState,
@@ -47,6 +48,7 @@ from infer.sampling import SamplingParams
 from infer.tree import chain
 from infer.tree_search import DynamicTreeConfig
 from models.acceptance import expected_tokens
+from models.checkpoint import read_checkpoint
 from models.target import TargetConfig, TargetModel, load_tokenizer
 from models.timing import RETRIES, best_of, interleaved, monotone, timed
 
@@ -523,33 +525,13 @@ def vanilla_check(target: TargetModel, contexts: list[list[int]], row: dict, rep
     }
 
 
-@torch.inference_mode()
-def eagle3_step_costs(target: TargetModel, drafter_dir: str, context_len: int, reps: int) -> dict:
-    """Median seconds of one EAGLE-3 drafter step (1 new token, ``context_len`` cached pairs): module and fused."""
-    from models.eagle3 import Eagle3Drafter, FusedStep
-
-    drafter = Eagle3Drafter.from_pretrained(drafter_dir, target).eval()
-    fused, cfg = FusedStep(drafter), drafter.config
-    kv = torch.randn(1, cfg.num_key_value_heads, context_len, cfg.head_dim)
-    args = (
-        torch.randn(1, 1, cfg.hidden_size),
-        torch.tensor([[1]]),
-        torch.tensor([[context_len]]),
-        torch.ones(1, 1, context_len + 1, dtype=torch.bool),
-        kv,
-        kv.clone(),
-    )
-    out = {}
-    for name, step in (("module", drafter.step), ("fused", fused.step)):
-        out[name] = best_of(lambda step=step: step(*args), reps, target.device).median
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct", help="short name, folder or hub id")
     ap.add_argument("--draft", default=None, help="small draft model sharing the target's tokenizer (optional)")
-    ap.add_argument("--drafter", default=None, help="EAGLE-3 checkpoint whose step to time (optional)")
+    ap.add_argument(
+        "--drafter", default=None, help="drafter checkpoint whose draft step to time, any family (optional)"
+    )
     ap.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="outputs/cost_curve", help="folder for cost_curve.json / cost_curve.md")
@@ -557,11 +539,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     tokenizer = load_tokenizer(args.target)
-    aux = None
-    if args.drafter:
-        from models.eagle3 import read_checkpoint_config
-
-        aux = read_checkpoint_config(args.drafter)[1].aux_layer_ids
+    aux = read_checkpoint(args.drafter)[1].aux_layer_ids if args.drafter else None
     target = TargetModel.from_config(
         TargetConfig(name_or_path=args.target, dtype=args.dtype, aux_layer_ids=aux), "serve", prepare=quiet_routing
     )
@@ -575,10 +553,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"--draft {args.draft} has a vocabulary of {draft.get_output_embeddings().weight.shape[0]} tokens, "
                 f"the target {target.vocab_size}: a draft model must share the target's tokenizer"
             )
-    if args.drafter:
-        from models.eagle3 import Eagle3Drafter
-
-        Eagle3Drafter.from_pretrained(args.drafter, target, tokenizer)  # raises on a drafter of another target
+    drafter = load_drafter(args.drafter, target, tokenizer).eval() if args.drafter else None  # raises on a mismatch
     ids = [t for p in heldout_prompts(tokenizer, n=8) for t in p["prompt_ids"]]
     if len(ids) < args.context + 1:
         raise SystemExit(f"held-out prompts give {len(ids)} tokens, fewer than --context {args.context}")
@@ -591,26 +566,27 @@ def main(argv: list[str] | None = None) -> None:
         "context": args.context,
         "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
-        "vanilla_step_s": vanilla_step_cost(target.model, context, args.reps),
+        "vanilla_step_s": vanilla_step_cost(target, context, args.reps),
         "verify_s": verify_costs(target, context, SIZES, args.reps, aux=False),
         "verify_with_features_s": verify_costs(target, context, SIZES, args.reps, aux=True),
     }
     if draft is not None:
         result["draft_model_step_s"] = vanilla_step_cost(TargetModel(draft), context, args.reps, "plain")
-    if args.drafter:
-        result["eagle3_step_s"] = eagle3_step_costs(target, args.drafter, args.context, args.reps)
+    family = family_of(drafter) if drafter is not None else None
+    if family is not None and family.step_timings is not None:
+        result["drafter_step_s"] = family.step_timings(drafter, target, args.context, args.reps)
 
     t1 = result["vanilla_step_s"]
     lines = [
         f"# Verify-cost curve ({time.strftime('%Y-%m-%d')})",
         "",
         f"Target `{args.target}`, fp32, {result['machine']}, torch threads {result['threads']}, "
-        f"{args.context} tokens in the cache, medians of {args.reps} interleaved repetitions "
+        f"{args.context} tokens in the cache, the fastest of {args.reps} interleaved repetitions "
         "(`python -m eval.cost_curve`).",
         "",
         f"Vanilla step (1 token, no mask): {1e3 * t1:.2f} ms.",
         "",
-        "| verified tokens n | verify ms | × vanilla step | with EAGLE-3 features ms |",
+        "| verified tokens n | verify ms | × vanilla step | with aux-layer features ms |",
         "|---|---|---|---|",
     ]
     for n in SIZES:
@@ -620,11 +596,12 @@ def main(argv: list[str] | None = None) -> None:
     if "draft_model_step_s" in result:
         s = result["draft_model_step_s"]
         lines.append(f"Draft model step (1 token): {1e3 * s:.2f} ms = {s / t1:.2f} × the vanilla step.")
-    if "eagle3_step_s" in result:
-        e = result["eagle3_step_s"]
+    if "drafter_step_s" in result:
+        paths = result["drafter_step_s"]
         lines.append(
-            f"EAGLE-3 drafter step (1 token): {1e3 * e['fused']:.2f} ms fused, {1e3 * e['module']:.2f} ms module path "
-            f"= {e['fused'] / t1:.2f} × the vanilla step."
+            f"{family.method} drafter step (1 token), median by path: "
+            + ", ".join(f"{name} {1e3 * s:.2f} ms = {s / t1:.2f} × the vanilla step" for name, s in paths.items())
+            + "."
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ from train.loop import (  # noqa: E402
     start_training,
     to_device,
 )
-from train.losses import eagle3_ttt_loss, ttt_targets  # noqa: E402
+from train.losses import ttt_loss, ttt_targets  # noqa: E402
 from train.optim import adamw  # noqa: E402
 from train.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled  # noqa: E402
 
@@ -142,7 +142,7 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
         labels = ttt_targets(last_hidden, target.lm_head, batch["loss_mask"], model.t2d, k, sample_ids)
         with accelerator.autocast():
             logits = model(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, k, labels.masks)
-        res = eagle3_ttt_loss(logits, labels)
+        res = ttt_loss(logits, labels)
         correct += res.step_correct
         count += res.step_count
     correct, count = accelerator.reduce(correct, "sum"), accelerator.reduce(count, "sum")
@@ -222,7 +222,7 @@ def main(argv: list[str]) -> None:
         labels = ttt_targets(last_hidden, target.lm_head, batch["loss_mask"], model.t2d, k, sample_ids)
         with accelerator.accumulate(drafter), accelerator.autocast():  # no all-reduce before the boundary
             logits = drafter(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, k, labels.masks)
-            res = eagle3_ttt_loss(logits, labels, cfg.drafter.step_weight)
+            res = ttt_loss(logits, labels, cfg.drafter.step_weight)
             accelerator.backward(res.loss)  # divided by train.grad_accum there
         progress.add(
             res.loss, res.step_correct, res.step_count, int(batch["attention_mask"].sum()), None, res.step_loss

@@ -91,18 +91,20 @@ def best_of(
 
 MAX_SPREAD = 0.10
 """A timing whose median sits more than 10 % above its best was taken while the host was busy: `steady` and
-`interleaved` measure it again, at most ``RETRIES`` more times, and keep the tightest attempt."""
+`interleaved` measure it again, at most ``RETRIES`` more times, pooling the calls of every attempt."""
 RETRIES = 2
 
 
 def steady(measure: Callable[[], Timing], max_spread: float = MAX_SPREAD, retries: int = RETRIES) -> Timing:
-    """``measure()`` again while its spread exceeds ``max_spread``, at most ``retries`` more times; the attempt with
-    the smallest spread is kept (bounded: a host busy throughout still gets an answer, its spread says how good)."""
+    """``measure()`` again while its spread exceeds ``max_spread``, at most ``retries`` more times, the attempts' calls
+    pooled: the best can only fall (keeping the tightest attempt instead could keep one the host slowed throughout),
+    and the spread is that of all calls (bounded: a host busy throughout still gets an answer, its spread says how
+    good)."""
     kept = measure()
     for _ in range(retries):
         if kept.spread <= max_spread:
             break
-        kept = min(kept, measure(), key=lambda t: t.spread)
+        kept = Timing(kept.samples + measure().samples)
     return kept
 
 
@@ -116,8 +118,7 @@ def interleaved(
 ) -> dict[object, Timing]:
     """``reps`` timings of each of ``calls`` (key → callable), taken in turn within every repetition so that machine
     noise hits every call alike, after ``warmup`` untimed rounds. ``retries``: the calls whose spread exceeds
-    ``max_spread`` are timed again (in turn among themselves) up to that many times, each keeping its tightest
-    attempt."""
+    ``max_spread`` are timed again (in turn among themselves) up to that many times, their calls pooled (`steady`)."""
     for _ in range(warmup):
         for fn in calls.values():
             fn()
@@ -127,7 +128,7 @@ def interleaved(
         if not wide:
             break
         for key, again in _in_turn(wide, reps, device).items():
-            out[key] = min(out[key], again, key=lambda t: t.spread)
+            out[key] = Timing(out[key].samples + again.samples)
     return out
 
 

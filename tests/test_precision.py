@@ -339,7 +339,8 @@ def _noisy_timer(calls: list, retries_wide: dict, tight: set):
 
 
 def test_the_serving_choice_and_its_sizing_do_not_follow_timing_noise(measured, monkeypatch):
-    """fp32's one-token step is first timed while the host is busy (wide: measured again, clean the second time),
+    """fp32's one-token step is first timed while the host is busy (wide: measured again until the pooled calls are
+    tight),
     fp32 t(5) and bf16 t(1) are disturbed throughout (tight spikes the retries cannot see: the monotone fit removes
     them, as bf16 t(2) is cheaper than its disturbed t(1)), and bf16 t(16) stays wide through every retry. The
     choice, its chain and its predicted speedup are the clean curves' own; the spread is stated beside them."""
@@ -352,12 +353,13 @@ def test_the_serving_choice_and_its_sizing_do_not_follow_timing_noise(measured, 
     wide = {("float32", 1): 1, ("bfloat16", 16): 99}
     tight = {("float32", 5), ("bfloat16", 1)}
     noisy = choose("serve", timer=_noisy_timer(calls, wide, tight), cpuinfo=AVX512_BF16)
-    assert calls.count(("float32", 1)) == 2 and calls.count(("bfloat16", 16)) == 1 + precision.RETRIES
+    # pooled with the first, one clean retry still leaves the median high (spread 26 %): a second one settles it
+    assert calls.count(("float32", 1)) == 3 and calls.count(("bfloat16", 16)) == 1 + precision.RETRIES
     assert calls.count(("float32", 2)) == 1  # a tight timing is not measured again
     assert (noisy.dtype, noisy.vanilla_dtype) == (clean.dtype, clean.vanilla_dtype)
     plan = serving_choice(noisy.curves)
     assert plan[3] == clean_plan[3] and plan[2] == pytest.approx(clean_plan[2], rel=0.01)
-    assert noisy.curves["float32"][1] == 31.0 and noisy.spread["float32"][1] == pytest.approx(0.01)
+    assert noisy.curves["float32"][1] == 31.0 and noisy.spread["float32"][1] == pytest.approx(0.02)
     assert "timing spread (median over best) at most 20% (bfloat16 t(16))" in noisy.reason
     assert "bf16 t(1) 60.8 -> 39.0" in noisy.reason and "fp32 t(5) 105.6 -> 71.0" in noisy.reason
     assert noisy.as_dict()["spread"]["bfloat16"]["16"] == pytest.approx(0.2)

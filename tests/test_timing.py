@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from models.timing import Timing, best_of, clock, gemm_seconds, interleaved, monotone, synchronize, timed
+from models.timing import Timing, best_of, clock, gemm_seconds, interleaved, monotone, steady, synchronize, timed
 
 
 def test_cpu_clock_is_wall_time_and_timed_calls_once():
@@ -40,6 +40,18 @@ def test_interleaved_times_the_calls_in_turn_within_each_repetition():
     order = []
     times = interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, reps=3)
     assert order == ["a", "b"] * 4 and {k: len(t.samples) for k, t in times.items()} == {"a": 3, "b": 3}
+
+
+def test_a_wide_timing_is_measured_again_with_its_calls_pooled_and_bounded():
+    """A busy host's attempt (wide) is measured again; the calls are pooled, so a later attempt slowed throughout
+    (tight but slow) cannot replace a faster best; a host busy every time stops after the retries."""
+    attempts = iter([Timing((10.0, 15.0, 16.0)), Timing((14.0, 14.1, 14.2)), Timing((10.0, 10.2, 10.3))])
+    t = steady(lambda: next(attempts), max_spread=0.10, retries=2)
+    assert t.best == 10.0 and len(t.samples) == 9 and t.spread == pytest.approx(0.4)  # keeping the tightest: 14.0
+    calls = []
+    t = steady(lambda: (calls.append(1), Timing((1.0, 2.0, 3.0)))[1], max_spread=0.10, retries=2)
+    assert len(calls) == 3 and t.best == 1.0 and t.spread == pytest.approx(1.0)
+    assert len(steady(lambda: Timing((1.0, 1.01)), retries=2).samples) == 2  # tight at once: measured once
 
 
 def test_the_gemm_probe_leaves_the_callers_random_stream_alone():

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -23,18 +22,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from models.precision import machine
 from models.reference import resolve_target
-
-
-def gemm_gflops(dtype: torch.dtype, n: int, reps: int = 5) -> float:
-    g = torch.Generator().manual_seed(0)  # its own stream: a probe must not move the caller's RNG (model inits)
-    a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
-    a @ b
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times) / 1e9
+from models.timing import best_of, gemm_gflops, gemm_seconds
 
 
 @torch.inference_mode()
@@ -48,14 +36,12 @@ def forward_ms(model, rows: list[int], prefix: int, reps: int) -> dict[int, floa
     for m in rows:
         x = torch.randint(vocab, (1, m), generator=g)
         pos = torch.arange(prefix, prefix + m)[None]
-        times = []
-        for i in range(reps + 1):
-            t = time.perf_counter()
+
+        def step(x=x, pos=pos, m=m) -> None:
             model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
-            if i:  # the first call selects kernels
-                times.append(time.perf_counter() - t)
             cache.crop(-m)
-        out[m] = 1e3 * statistics.median(times)
+
+        out[m] = 1e3 * best_of(step, reps).median
     return out
 
 
@@ -76,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in dtypes:
         dtype = getattr(torch, name)
         sizes = (512,) if name != "float32" and not where.native_bf16 else (512, 1024, 2048)
-        result["gemm_gflops"][name] = {n: gemm_gflops(dtype, n) for n in sizes}
+        result["gemm_gflops"][name] = {n: gemm_gflops(gemm_seconds(dtype, n).median, n) for n in sizes}
         print(f"GEMM {name}: " + ", ".join(f"n={n} {g:.1f} GFLOP/s" for n, g in result["gemm_gflops"][name].items()))
     rows = [int(r) for r in args.rows.split(",")]
     result["forward_ms"] = {}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -37,6 +36,7 @@ from infer.proposers import PromptLookupProposer
 from infer.sampling import SamplingParams
 from infer.tree import chain
 from models.target import DTYPES, TargetConfig, TargetModel
+from models.timing import Timing, timed
 
 K = 4
 """Drafts per verify: rows are compared alone and among a chain of K + 1."""
@@ -295,16 +295,10 @@ def forward_times(
     for rep in range(reps + 1):  # the first round warms up
         for rows in settings:
             for name, call in calls.items():
-                seconds = _with_mode(target, rows, lambda call=call: _timed(call))
+                seconds = _with_mode(target, rows, lambda call=call: timed(call, target.device))
                 if rep:
                     times[rows][name].append(seconds)
-    return {r: {c: statistics.median(t) for c, t in by.items()} for r, by in times.items()}
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    return {r: {c: Timing(tuple(t)).median for c, t in by.items()} for r, by in times.items()}
 
 
 def cost(

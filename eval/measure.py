@@ -33,6 +33,7 @@ from infer.generate import (
     VANILLA_LOOPS,
     GenerationStats,
     SpecConfig,
+    depth_tallies,
     generate_speculative,
     generate_vanilla,
     vanilla_steps,
@@ -42,9 +43,10 @@ from infer.kernels.cpu_linear import uninstall as uninstall_cpu_linear
 from infer.proposer import Proposer
 from infer.proposers import PromptLookupProposer
 from infer.sampling import SamplingParams
-from infer.timing import clock, timed
-from models.precision import choose, machine
+from models.acceptance import acceptance_rates
+from models.precision import choose, machine, redecide
 from models.target import TargetModel
+from models.timing import clock, interleaved
 
 
 @dataclass
@@ -111,13 +113,8 @@ def choose_vanilla_loop(
     masked loop's forward took 36 against 41 ms for the plain one; on the AVX2 EPYC in fp32 plain was faster."""
     context = loop_context(contexts, answer_tokens)
     steps = vanilla_steps(target, context)
-    for step in steps.values():  # warm-up
-        step()
-    times: dict[str, list[float]] = {name: [] for name in VANILLA_LOOPS}
-    for _ in range(LOOP_REPS):
-        for name in VANILLA_LOOPS:
-            times[name].append(timed(steps[name], target.device))
-    ms = {name: 1e3 * min(t) for name, t in times.items()}
+    times = interleaved({name: steps[name] for name in VANILLA_LOOPS}, LOOP_REPS, target.device)
+    ms = {name: 1e3 * t.best for name, t in times.items()}
     target.vanilla_loop, target.vanilla_loop_ms = min(ms, key=ms.get), ms
     dtype = str(target.dtype).removeprefix("torch.")
     log(
@@ -146,10 +143,7 @@ def hf_generate(model, prompt: list[int], params: SamplingParams, eos_ids: tuple
 
 def alpha_of(stats: list[GenerationStats]) -> list[float]:
     """Per-depth acceptance α_k aggregated over generate calls (DESIGN.md §4)."""
-    depth = max((len(s.attempted_at_depth) for s in stats), default=0)
-    att = [sum(s.attempted_at_depth[k] for s in stats if k < len(s.attempted_at_depth)) for k in range(depth)]
-    acc = [sum(s.accepted_at_depth[k] for s in stats if k < len(s.accepted_at_depth)) for k in range(depth)]
-    return [a / t if t else 0.0 for a, t in zip(acc, att)]
+    return acceptance_rates(*depth_tallies(stats))
 
 
 class _Tally:
@@ -219,20 +213,28 @@ def serving_targets(
     """(the target to speculate with, vanilla's target in its fastest dtype or None when that is the same dtype).
 
     The serving choice of the precision policy (`models.precision.choose`, cached per machine) says which dtype
-    speculation pays most in and which dtype vanilla is fastest in. A target whose dtype the policy chose for another
-    workload (a training run's target) is converted to the serving dtype; one the user chose keeps it. Either way the
-    baseline is vanilla in its own fastest dtype (DESIGN.md §4: the strongest vanilla)."""
-    serve = choose("serve", target.config, target.device.type, acceptance=acceptance, prepare=quiet_routing)
-    if target.precision.source != "user" and str(target.dtype).removeprefix("torch.") != serve.dtype:
-        log(f"serving in {serve.dtype} (the policy chose {target.precision.dtype} for {target.precision.workload})")
+    speculation pays most in and which dtype vanilla is fastest in. A target loaded with a serving choice keeps its
+    curves and is decided again from them for the drafter's ``acceptance`` (`models.precision.redecide`): timing
+    twice in one process could state two serving dtypes that differ by noise. A target whose dtype the policy chose
+    for another workload (a training run's target) is converted to the serving dtype; one the user chose keeps it.
+    Either way the baseline is vanilla in its own fastest dtype (DESIGN.md §4: the strongest vanilla). One line
+    states the served dtype and why."""
+    loaded = target.precision
+    if loaded.workload == "serve" and loaded.curves:
+        serve = redecide(loaded, acceptance) if acceptance else loaded
+    else:
+        serve = choose("serve", target.config, target.device.type, acceptance=acceptance, prepare=quiet_routing)
+    converted, dtype = "", str(target.dtype).removeprefix("torch.")
+    if loaded.source != "user" and dtype != serve.dtype:
+        converted = f" (the target, loaded in {dtype} for {loaded.workload}, runs converted)"
         target = dtype_copy(target, getattr(torch, serve.dtype), log)
-    if target.precision.source != "user":
+    if loaded.source != "user":
         target.precision = serve
-    log(target.precision.line())
+    log(target.precision.line() + converted)
     served = str(target.dtype).removeprefix("torch.")
     if serve.vanilla_dtype is None or serve.vanilla_dtype == served:
         return target, None
-    log(f"vanilla is fastest in {serve.vanilla_dtype} here: the baseline also runs there ({serve.reason})")
+    log(f"vanilla is fastest in {serve.vanilla_dtype} here: the baseline runs there")
     return target, dtype_copy(target, getattr(torch, serve.vanilla_dtype), log)
 
 

@@ -30,6 +30,8 @@ from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
 from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
 from models.eagle3 import Eagle3Drafter, FusedStep
+from models.target import TargetModel
+from models.timing import best_of
 
 
 class Eagle3Proposer(Proposer):
@@ -252,4 +254,24 @@ def report_proposers(drafter: Eagle3Drafter, settings: ReportSettings, size: Cha
     return out
 
 
-FAMILY = DrafterFamily(Eagle3Drafter, lambda drafter: Eagle3Proposer.signal, report_proposers)
+@torch.inference_mode()
+def step_timings(drafter: Eagle3Drafter, target: TargetModel, context_len: int, reps: int) -> dict[str, float]:
+    """Median seconds of one drafter step (1 new token after ``context_len`` cached pairs), by path: the module's own
+    ``step`` and the fused one (`FusedStep`)."""
+    cfg = drafter.config
+    kv = torch.randn(1, cfg.num_key_value_heads, context_len, cfg.head_dim)
+    args = (
+        torch.randn(1, 1, cfg.hidden_size),
+        torch.tensor([[1]]),
+        torch.tensor([[context_len]]),
+        torch.ones(1, 1, context_len + 1, dtype=torch.bool),
+        kv,
+        kv.clone(),
+    )
+    steps = {"module": drafter.step, "fused": FusedStep(drafter).step}
+    return {name: best_of(lambda step=step: step(*args), reps, target.device).median for name, step in steps.items()}
+
+
+FAMILY = DrafterFamily(
+    Eagle3Drafter, lambda drafter: Eagle3Proposer.signal, report_proposers, step_timings=step_timings
+)

@@ -13,6 +13,8 @@ module, beside its proposer (``FAMILY = DrafterFamily(...)``):
   the family's own) and ``size``, which picks a chain's length on the machine that measures (`ChainSizer`);
 - ``report_options`` (optional): a dataclass of the report settings only this family reads, e.g. MTP's tree width;
   ``eval.report.ReportConfig`` takes its fields (a recipe sets them under ``report:``) and runs its checks.
+- ``step_timings`` (optional): the family's draft step timed by code path, which the cost curve prints beside the
+  verify curve.
 
 This module holds the types only and imports no family; the one list of the shipped families is
 `infer.families.FAMILIES`, above the family modules. Nothing registers itself on import.
@@ -96,6 +98,10 @@ class DrafterFamily:
     """A dataclass of the report settings only this family reads (each field documented, every one with a default;
     its ``__post_init__``, if any, checks them): ``eval.report.ReportConfig`` inherits its fields. None: the family
     reads the generic settings only."""
+    step_timings: Callable[[Any, TargetModel, int, int], dict[str, float]] | None = None
+    """(drafter, target, cached context tokens, repetitions) → seconds of one draft step by code path (e.g. the
+    module against a fused step), for ``python -m eval.cost_curve --drafter``. None: the cost curve times no draft
+    step for the family."""
 
     @property
     def method(self) -> str:

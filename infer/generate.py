@@ -16,7 +16,7 @@ at least one token, so vanilla decoding has τ = 1.00 exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,9 +26,10 @@ from infer.attention import SlackCache, additive_mask
 from infer.kernels import compact_kv, verify_greedy, verify_rejection
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, target_probs, warp_logits
-from infer.timing import clock
 from infer.tree import DraftTree
+from models.acceptance import acceptance_rates
 from models.target import TargetModel
+from models.timing import clock
 
 
 # ----------------------------------------------------------------------------------------- results
@@ -61,7 +62,7 @@ class GenerationStats:
 
     @property
     def alpha(self) -> list[float]:
-        return [a / t if t else 0.0 for a, t in zip(self.accepted_at_depth, self.attempted_at_depth)]
+        return acceptance_rates(self.accepted_at_depth, self.attempted_at_depth)
 
     @property
     def tokens_per_s(self) -> float:
@@ -103,6 +104,17 @@ class GenerationStats:
                 "total": self.total_s,
             },
         }
+
+
+def depth_tallies(stats: Iterable[GenerationStats], depth: int | None = None) -> tuple[list[int], list[int]]:
+    """(accepted, attempted) per draft depth, summed over generate calls, to ``depth`` (default: the deepest any call
+    reached); `models.acceptance.acceptance_rates` turns them into α."""
+    stats = list(stats)
+    if depth is None:
+        depth = max((len(s.attempted_at_depth) for s in stats), default=0)
+    accepted = [sum(s.accepted_at_depth[k] for s in stats if k < len(s.accepted_at_depth)) for k in range(depth)]
+    attempted = [sum(s.attempted_at_depth[k] for s in stats if k < len(s.attempted_at_depth)) for k in range(depth)]
+    return accepted, attempted
 
 
 @dataclass

@@ -35,11 +35,14 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from models.acceptance import expected_tokens
+from models.timing import RETRIES, Timing, best_of, gemm_seconds, monotone, steady
 
 WORKLOADS = ("serve", "distill", "train")
 CPU_BF16_ENV = "DRAFTERS_CPU_BF16"
@@ -162,25 +165,32 @@ class PrecisionChoice:
     vanilla_dtype: str | None = None
     """``serve``: the dtype of the fastest vanilla step, the baseline of every speedup (may differ from ``dtype``)."""
     curves: dict[str, dict[int, float]] = field(default_factory=dict)
-    """dtype → rows → milliseconds of the workload (``train``: row key 0)."""
+    """dtype → rows → milliseconds of the workload (``train``: row key 0), as measured (best of its calls); a serving
+    decision reads them fitted monotone in the rows (`fitted`)."""
     machine: dict = field(default_factory=dict)
+    spread: dict[str, dict[int, float]] = field(default_factory=dict)
+    """dtype → key → the spread of that timing (`models.timing.Timing.spread`), after re-measuring it while it was
+    wider than `models.timing.MAX_SPREAD`; the reason states the widest."""
 
     def line(self) -> str:
         """The one line every entry point prints: "precision (serve): bfloat16, measured: …"."""
         return f"precision ({self.workload}): {self.dtype}, {self.source}: {self.reason}"
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "curves": {d: {str(m): ms for m, ms in c.items()} for d, c in self.curves.items()}}
+        def keyed(by_dtype: dict[str, dict[int, float]]) -> dict:
+            return {d: {str(m): v for m, v in c.items()} for d, c in by_dtype.items()}
+
+        return {**asdict(self), "curves": keyed(self.curves), "spread": keyed(self.spread)}
 
 
-def expected_tokens(acceptance: Sequence[float], k: int) -> float:
-    """Tokens per verify step of a chain of k drafts with conditional acceptance α_i: 1 + Σ_i Π_{j≤i} α_j (bonus
-    token included; Leviathan et al. 2023, for a chain)."""
-    total, p = 1.0, 1.0
-    for a in list(acceptance)[:k]:
-        p *= a
-        total += p
-    return total
+def fitted(curve: dict[int, float]) -> dict[int, float]:
+    """A serving curve with its decode rows made non-decreasing (`models.timing.monotone`; the prefill key stays as
+    measured): a forward over more rows is never cheaper than one over fewer, so a 2-token verify timed below the
+    1-token step lowers the step to it (the baseline gets the cheaper shape) instead of crediting speculation with it.
+    Seen on a shared host: fp32 t(1) 41.5, t(2) 30.7, t(5) 108.3, t(8) 67.7 ms, from which the policy had predicted
+    chain 1 at 1.81x and measured 1.11x."""
+    rows = monotone({m: ms for m, ms in curve.items() if m > 0})
+    return {m: rows.get(m, ms) for m, ms in curve.items()}
 
 
 def serving_choice(
@@ -193,7 +203,10 @@ def serving_choice(
     runs in its cheapest dtype, and speculation's predicted speedup is over that, whichever dtype it runs in. The
     dtype with the best chain serves; when nothing predicts a gain, or the best dtypes tie within ``TIE``, the choice
     falls back to vanilla's dtype (fp32 on a tie of dtypes). Draft cost is left out: it scales with the dtype much
-    as the target does."""
+    as the target does. The decode rows are read `fitted`, so timing noise that makes a larger verify look cheaper
+    than a smaller one moves neither the dtype nor the chain."""
+
+    curves = {d: fitted(c) for d, c in curves.items()}
 
     def prefill(d: str) -> float:
         return curves[d].get(PREFILL, 0.0)
@@ -243,18 +256,43 @@ def _curve_words(curves: dict[str, dict[int, float]], rows: Sequence[int]) -> st
     return "; ".join(out)
 
 
+def _fit_words(curves: dict[str, dict[int, float]]) -> str:
+    """What the monotone fit changed, in words ("" where the curves were monotone already)."""
+    short = {"float32": "fp32", "bfloat16": "bf16"}
+    changed = []
+    for d, c in curves.items():
+        fit = fitted(c)
+        changed += [f"{short.get(d, d)} t({m}) {c[m]:.1f} -> {fit[m]:.1f}" for m in c if fit[m] != c[m]]
+    if not changed:
+        return ""
+    return "; read fitted non-decreasing in rows (a larger forward timed cheaper: " + ", ".join(changed) + " ms)"
+
+
+def _spread_words(spread: dict[str, dict[int, float]] | None) -> str:
+    """The widest spread of the timings behind a choice, in words ("" where none was recorded)."""
+    widest = [(s, d, k) for d, by_key in (spread or {}).items() for k, s in by_key.items()]
+    if not widest or max(widest)[0] == 0:
+        return ""  # one call per timing (a test's timer, an emulated dtype): no spread to state
+    s, d, k = max(widest)
+    what = {GEMM: "the 512² GEMM", PREFILL: "the prefill", 0: "the training step"}.get(k, f"t({k})")
+    return f"; timing spread (median over best) at most {s:.0%} ({d} {what})"
+
+
 def decide(
     workload: str,
     curves: dict[str, dict[int, float]],
     acceptance: Sequence[float] = DEFAULT_ACCEPTANCE,
     skipped: dict[str, str] | None = None,
+    spread: dict[str, dict[int, float]] | None = None,
 ) -> tuple[str, str | None, str]:
     """(dtype, vanilla dtype or None, reason in words) of ``workload`` from its measured curves. ``skipped``: dtypes
-    left out of the race, with why (a measurement that showed them far behind)."""
+    left out of the race, with why (a measurement that showed them far behind); ``spread``: each timing's spread,
+    the widest of which the reason states."""
     left_out = "".join(f"; {d} not timed further: {why}" for d, why in (skipped or {}).items())
+    left_out += _spread_words(spread)
     if workload == "serve":
         dtype, vanilla, speedup, k = serving_choice(curves, acceptance)
-        why = _curve_words(curves, (1, 2, 4, 8, 16)) + left_out
+        why = _curve_words(curves, (1, 2, 4, 8, 16)) + _fit_words(curves) + left_out
         if k == 0:
             return dtype, vanilla, f"{why}; no chain predicts a gain over vanilla in {vanilla}"
         also = "" if dtype == vanilla else f" (vanilla is fastest in {vanilla}: the baseline runs there)"
@@ -317,7 +355,7 @@ def choose(
         return PrecisionChoice(workload, dtype, "forced", env, vanilla and dtype, {}, where.as_dict())
     source = "measured"
     if timer is not None:
-        found = _race(workload, ["float32", "bfloat16"], lambda d, key: timer(workload, d, key))
+        found, spread = _race(workload, ["float32", "bfloat16"], lambda d, key: timer(workload, d, key))
     else:
         if config is None:
             raise ValueError("the precision choice measures the target's layer shapes: pass its HF config")
@@ -325,21 +363,30 @@ def choose(
         if refresh:
             path.unlink(missing_ok=True)
         dtypes = ["float32", "bfloat16"]
-        found, source = _measure_once(path, lambda: measure_curves(workload, config, dtypes, prepare))
+        found, spread, source = _measure_once(path, lambda: measure_curves(workload, config, dtypes, prepare))
         # ranks of one launch must make one choice: each re-timing on its own could disagree, so only one process
         # (no WORLD_SIZE above 1) re-checks
         # serving only: a training run's autocast choice must stay the one its other runs (and resumes) made
         if source == "cached" and workload == "serve" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             key = CHECK_ROWS
-            fresh = {d: curve_timer(workload, config, prepare)(d, key) for d in dtypes if key in found.get(d, {})}
+            time_one = curve_timer(workload, config, prepare)
+            fresh = {d: _as_timing(time_one(d, key)).best for d in dtypes if key in found.get(d, {})}
             stale = _stale(found, fresh, key)
             if stale:
                 path.unlink(missing_ok=True)
-                found, _ = _measure_once(path, lambda: measure_curves(workload, config, dtypes, prepare))
+                found, spread, _ = _measure_once(path, lambda: measure_curves(workload, config, dtypes, prepare))
                 source = f"measured again (the cache was stale: {stale})"
     curves, skipped = _complete(found)
-    dtype, vanilla, reason = decide(workload, curves, acceptance, skipped)
-    return PrecisionChoice(workload, dtype, source, reason, vanilla, found, where.as_dict())
+    dtype, vanilla, reason = decide(workload, curves, acceptance, skipped, spread)
+    return PrecisionChoice(workload, dtype, source, reason, vanilla, found, where.as_dict(), spread)
+
+
+def redecide(choice: PrecisionChoice, acceptance: Sequence[float]) -> PrecisionChoice:
+    """``choice`` (a measured or cached serving choice) decided again for a drafter's own ``acceptance``, from the
+    same curves: no second timing, so one process cannot state two serving dtypes that differ by timing noise."""
+    curves, skipped = _complete(choice.curves)
+    dtype, vanilla, reason = decide(choice.workload, curves, tuple(acceptance), skipped, choice.spread)
+    return replace(choice, dtype=dtype, vanilla_dtype=vanilla, reason=reason)
 
 
 def user_choice(workload: str, dtype: str, setting: str) -> PrecisionChoice:
@@ -359,20 +406,31 @@ GEMM = -512
 """Curve key of a 512² GEMM (ms), timed before a training step: it tells in a second whether bf16 GEMMs are emulated."""
 
 
-def _race(workload: str, dtypes: Sequence[str], time_one: Callable[[str, int], float]) -> dict[str, dict[int, float]]:
-    """dtype → key → ms, the dtypes timed in turn at each key. fp32 is always complete; another dtype leaves the race
-    at the first key where it is ``EMULATED`` x behind fp32 (its curve then ends there)."""
+def _as_timing(value: float | Timing) -> Timing:
+    """A timer's answer as a `Timing` (a test's timer may answer a plain number of ms: one sample, no spread)."""
+    return value if isinstance(value, Timing) else Timing((float(value),))
+
+
+def _race(
+    workload: str, dtypes: Sequence[str], time_one: Callable[[str, int], float | Timing]
+) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]]:
+    """(dtype → key → ms, dtype → key → spread), the dtypes timed in turn at each key (`models.timing.steady`:
+    measured again while wider than its ``MAX_SPREAD``, at most ``RETRIES`` more times). fp32 is always
+    complete; another dtype leaves the race at the first key where it is ``EMULATED`` x behind fp32 (its curve then
+    ends there)."""
     # decode sizes first, prefill last and never a reason to leave: it is paid once per request, and a dtype slow at
     # prefill may still win on a long answer (bf16 on this project's AVX2 EPYC)
     keys = (GEMM, 0) if workload == "train" else (*[k for k in _keys(workload) if k != PREFILL], PREFILL)
     out: dict[str, dict[int, float]] = {d: {} for d in dtypes}
+    spread: dict[str, dict[int, float]] = {d: {} for d in dtypes}
     racing = list(dtypes)
     for key in keys:
         for d in list(racing):
-            out[d][key] = time_one(d, key)
+            timing = steady(lambda d=d, key=key: _as_timing(time_one(d, key)), retries=RETRIES)
+            out[d][key], spread[d][key] = timing.best, timing.spread
             if d != "float32" and key != PREFILL and out[d][key] > EMULATED * out["float32"][key]:
                 racing.remove(d)
-    return out
+    return out, spread
 
 
 def _complete(found: dict[str, dict[int, float]]) -> tuple[dict[str, dict[int, float]], dict[str, str]]:
@@ -406,23 +464,18 @@ def _probe(config, layers: int, dtype: torch.dtype, prepare) -> nn.Module:
     return model
 
 
-def _best_ms(fn: Callable[[], object], reps: int = 7) -> float:
-    """The fastest of ``reps`` calls after one warm-up: on a shared machine the minimum is the least disturbed. A
-    warm-up over half a second (an emulated dtype) is followed by one timed call only."""
-    t = time.perf_counter()
-    fn()  # one-off kernel selection and allocation
-    if time.perf_counter() - t > 0.5:
-        reps = 1
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * min(times)
+def _timing_ms(fn: Callable[[], object], reps: int = 7) -> Timing:
+    """``reps`` calls after one warm-up, in ms (`models.timing.best_of`; the policy reads the best); a warm-up over
+    half a second (an emulated dtype) is followed by one timed call only."""
+    return _scaled(best_of(fn, reps, slow_s=0.5), 1e3)
+
+
+def _scaled(t: Timing, factor: float) -> Timing:
+    return Timing(tuple(x * factor for x in t.samples))
 
 
 @torch.no_grad()
-def _decode_ms(model: nn.Module, rows: int, batch: int, vocab: int) -> float:
+def _decode_ms(model: nn.Module, rows: int, batch: int, vocab: int) -> Timing:
     """One forward of ``rows`` new tokens per sequence after a ``PREFIX``-token cache (trimmed back after each)."""
     from transformers import DynamicCache
 
@@ -437,10 +490,10 @@ def _decode_ms(model: nn.Module, rows: int, batch: int, vocab: int) -> float:
         model(input_ids=new, position_ids=positions, cache=cache, use_cache=True)
         cache.crop(-rows)  # transformers 5: a negative count of tokens to drop
 
-    return _best_ms(step)
+    return _timing_ms(step)
 
 
-def _train_ms(model: nn.Module, dtype: torch.dtype, vocab: int) -> float:
+def _train_ms(model: nn.Module, dtype: torch.dtype, vocab: int) -> Timing:
     """Forward + backward of ``TRAIN_SHAPE`` tokens, under bf16 autocast when ``dtype`` is bf16 (weights stay fp32)."""
     model.train()
     g = torch.Generator().manual_seed(0)
@@ -452,7 +505,7 @@ def _train_ms(model: nn.Module, dtype: torch.dtype, vocab: int) -> float:
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    return _best_ms(step, reps=3)
+    return _timing_ms(step, reps=3)
 
 
 CHECK_ROWS = 1
@@ -473,37 +526,42 @@ def _stale(cached: dict[str, dict[int, float]], fresh: dict[str, float], key: in
 
 def measure_curves(
     workload: str, config, dtypes: Sequence[str], prepare: Callable[[nn.Module], object] | None = None
-) -> dict[str, dict[int, float]]:
-    """dtype → key → ms of ``workload`` for a full target of ``config`` (`_race`)."""
+) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]]:
+    """(dtype → key → ms, dtype → key → spread) of ``workload`` for a full target of ``config`` (`_race`)."""
     return _race(workload, dtypes, curve_timer(workload, config, prepare))
 
 
 def curve_timer(
     workload: str, config, prepare: Callable[[nn.Module], object] | None = None
-) -> Callable[[str, int], float]:
-    """``time_one(dtype, key) -> ms`` of ``workload`` for a full target of ``config``, from probes with 1 and
-    ``PROBE_LAYERS`` layers: a full forward is ``t1 + (L - 1)(tn - t1) / (n - 1)``."""
+) -> Callable[[str, int], Timing]:
+    """``time_one(dtype, key) -> Timing`` (ms) of ``workload`` for a full target of ``config``, from probes with 1
+    and ``PROBE_LAYERS`` layers: a full forward is ``t1 + (L - 1)(tn - t1) / (n - 1)``, taken for the i-th fastest
+    call of each probe in turn (best with best, median with median), so the spread carries the extrapolation's
+    amplification of noise in ``tn - t1``."""
     text = config.get_text_config()
     layers, vocab = text.num_hidden_layers, text.vocab_size
     deep = min(PROBE_LAYERS, layers)
     probes: dict[str, list[nn.Module]] = {}
 
-    def full(name: str, run: Callable[[nn.Module], float]) -> float:
+    def full(name: str, run: Callable[[nn.Module], Timing]) -> Timing:
         if name not in probes:
             probes[name] = [_probe(text, n, getattr(torch, name), prepare) for n in (1, deep)]
-        t1, tn = (run(p) for p in probes[name])
-        per_layer = (tn - t1) / (deep - 1) if deep > 1 else 0.0
-        return t1 + (layers - 1) * max(per_layer, 0.0)
+        one, deeper = (sorted(run(p).samples) for p in probes[name])
+        out = []
+        for t1, tn in zip(one, deeper):
+            per_layer = (tn - t1) / (deep - 1) if deep > 1 else 0.0
+            out.append(t1 + (layers - 1) * max(per_layer, 0.0))
+        return Timing(tuple(out))
 
-    def time_one(name: str, key: int) -> float:
+    def time_one(name: str, key: int) -> Timing:
         dtype = getattr(torch, name)
         if key == GEMM:
-            return 1e3 * _matmul_seconds(dtype)
+            return _scaled(gemm_seconds(dtype), 1e3)
         if workload == "train":  # one drafter-sized layer and the head, as trained; autocast over fp32 weights
             return _train_ms(_probe(text, 1, torch.float32, None), dtype, vocab)
         if key == PREFILL:
             tokens = PREFIX * (DISTILL_BATCH if workload == "distill" else 1)
-            return full(name, lambda p: _prefill_ms(p, vocab)) * tokens / PREFILL_CHUNK
+            return _scaled(full(name, lambda p: _prefill_ms(p, vocab)), tokens / PREFILL_CHUNK)
         batch, rows = (DISTILL_BATCH, 1) if workload == "distill" else (1, key)
         return full(name, lambda p: _decode_ms(p, rows, batch, vocab))
 
@@ -511,10 +569,10 @@ def curve_timer(
 
 
 @torch.no_grad()
-def _prefill_ms(model: nn.Module, vocab: int) -> float:
+def _prefill_ms(model: nn.Module, vocab: int) -> Timing:
     """One uncached forward of ``PREFILL_CHUNK`` tokens (only the last position's logits, as a prefill keeps)."""
     ids = torch.randint(vocab, (1, PREFILL_CHUNK), generator=torch.Generator().manual_seed(0))
-    return _best_ms(lambda: model(input_ids=ids, logits_to_keep=1), reps=3)
+    return _timing_ms(lambda: model(input_ids=ids, logits_to_keep=1), reps=3)
 
 
 def _signature(config) -> dict:
@@ -532,20 +590,29 @@ def _cache_path(workload: str, config, where: Machine, cache_dir: str | Path | N
     return root / f"{workload}-{digest}.json"
 
 
-def _read_cache(path: Path) -> dict[str, dict[int, float]] | None:
+Curves = dict[str, dict[int, float]]
+
+
+def _read_cache(path: Path) -> tuple[Curves, Curves] | None:
+    """(curves, spreads) of a cache file, or None where there is none to read."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
         return None  # absent or half-written by a crash: measure again
-    return {d: {int(m): float(ms) for m, ms in c.items()} for d, c in raw["curves"].items()}
+
+    def keyed(by_dtype: dict) -> Curves:
+        return {d: {int(m): float(v) for m, v in c.items()} for d, c in by_dtype.items()}
+
+    return keyed(raw["curves"]), keyed(raw.get("spread", {}))
 
 
-def _measure_once(path: Path, measure: Callable[[], dict]) -> tuple[dict[str, dict[int, float]], str]:
-    """The cached curves, or measured now by one process only: ranks of one ``accelerate launch`` on this machine
-    must make the same choice, so whoever takes the lock measures and the others wait for its file."""
-    curves = _read_cache(path)
-    if curves is not None:
-        return curves, "cached"
+def _measure_once(path: Path, measure: Callable[[], tuple[Curves, Curves]]) -> tuple[Curves, Curves, str]:
+    """(curves, spreads, source): the cached ones, or measured now by one process only: ranks of one
+    ``accelerate launch`` on this machine must make the same choice, so whoever takes the lock measures and the others
+    wait for its file."""
+    cached = _read_cache(path)
+    if cached is not None:
+        return *cached, "cached"
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = path.with_suffix(".lock")
     try:
@@ -554,23 +621,27 @@ def _measure_once(path: Path, measure: Callable[[], dict]) -> tuple[dict[str, di
         deadline = time.time() + LOCK_WAIT_S
         while time.time() < deadline and lock.exists():
             time.sleep(0.2)
-        curves = _read_cache(path)
-        if curves is not None:
-            return curves, "cached"
+        cached = _read_cache(path)
+        if cached is not None:
+            return *cached, "cached"
         lock.unlink(missing_ok=True)  # the measuring process died: measure here
         return _measure_once(path, measure)
     try:
-        curves = measure()
-        _write_cache(path, curves)
+        curves, spread = measure()
+        _write_cache(path, curves, spread)
     finally:
         lock.unlink(missing_ok=True)
-    return curves, "measured"
+    return curves, spread, "measured"
 
 
-def _write_cache(path: Path, curves: dict[str, dict[int, float]]) -> None:
+def _write_cache(path: Path, curves: Curves, spread: Curves | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"curves": {d: {str(m): v for m, v in c.items()} for d, c in curves.items()}}))
+
+    def keyed(by_dtype: Curves) -> dict:
+        return {d: {str(m): v for m, v in c.items()} for d, c in by_dtype.items()}
+
+    tmp.write_text(json.dumps({"curves": keyed(curves), "spread": keyed(spread or {})}))
     os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
 
 
@@ -581,10 +652,5 @@ def cpu_bf16_is_fast(timer=None) -> bool:
     forced = forced_bf16()
     if forced is not None:
         return forced
-    timer = timer or _matmul_seconds
+    timer = timer or (lambda dtype: gemm_seconds(dtype).best)
     return timer(torch.bfloat16) * 1.25 <= timer(torch.float32)
-
-
-def _matmul_seconds(dtype: torch.dtype, n: int = 512, reps: int = 5) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return _best_ms(lambda: a @ b, reps) / 1e3

@@ -41,8 +41,8 @@ from infer.kernels import (  # noqa: E402
     verify_greedy,
     verify_rejection,
 )
-from infer.timing import synchronize, timed  # noqa: E402
 from infer.tree import DraftTree  # noqa: E402
+from models.timing import synchronize, timed  # noqa: E402
 
 TIE_TOL = 1e-5
 MAX_TIE_FRACTION = 0.05

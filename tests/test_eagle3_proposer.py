@@ -12,7 +12,7 @@ from infer.sampling import SamplingParams
 from infer.tree_search import DynamicTreeConfig
 from models.eagle3 import Eagle3Drafter
 from train.draft_vocab import build_draft_vocab
-from train.losses import eagle3_ttt_loss, ttt_targets
+from train.losses import ttt_loss, ttt_targets
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
@@ -74,7 +74,7 @@ def _overfit(target, drafter, ids: list[int], ttt_steps: int, max_steps: int = 1
         # sharpened labels: overfitting only needs the target's argmax, and near-one-hot labels get there fastest
         targets = ttt_targets(out.logits * 20, lambda v: v, torch.ones_like(x), drafter.t2d, ttt_steps)
         logits = drafter(out.aux_hidden, x, torch.arange(T)[None], allowed, ttt_steps, targets.masks)
-        res = eagle3_ttt_loss(logits, targets)
+        res = ttt_loss(logits, targets)
         if bool((res.step_correct == res.step_count).all()):
             break
         opt.zero_grad()

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import train.eagle3 as recipe
 from models.config import parse_cli
 from tests.conftest import recipe_args, run_to_end
-from train.losses import eagle3_ttt_loss, shift_left, simulated_tau, ttt_targets
+from train.losses import shift_left, ttt_loss, ttt_targets
 from train.optim import warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def _dense_loss(draft, target_logits, loss_mask, t2d, sample_ids=None, step_weig
     """The TTT loss with the draft logits given at every position (as a test writes them) and the target's logits
     as its "hidden" state (an identity head)."""
     targets = ttt_targets(target_logits, lambda x: x, loss_mask, t2d, len(draft), sample_ids)
-    return eagle3_ttt_loss([d[m] for d, m in zip(draft, targets.masks)], targets, step_weight)
+    return ttt_loss([d[m] for d, m in zip(draft, targets.masks)], targets, step_weight)
 
 
 def test_ttt_loss_masks_shift_vocab_and_samples():
@@ -168,7 +168,7 @@ def test_the_head_runs_only_where_a_label_is_read_and_the_loss_is_the_dense_one(
 
     draft = [torch.randn(B, T, int(t2d.sum()), generator=gen, requires_grad=True) for _ in range(steps)]
     targets = ttt_targets(hidden, target_head, loss_mask, t2d, steps, sample_ids)
-    res = eagle3_ttt_loss([d[m] for d, m in zip(draft, targets.masks)], targets, 0.8)
+    res = ttt_loss([d[m] for d, m in zip(draft, targets.masks)], targets, 0.8)
     assert rows_seen == [int(shift_left(loss_mask, 1).sum())]  # 9 of 18 positions
     res.loss.backward()
     sparse_grads = [d.grad.clone() for d in draft]
@@ -192,12 +192,6 @@ def test_the_head_runs_only_where_a_label_is_read_and_the_loss_is_the_dense_one(
     assert float(res.loss) == pytest.approx(float(total), rel=1e-6)
     for sparse, d in zip(sparse_grads, draft):
         torch.testing.assert_close(sparse, d.grad)
-
-
-def test_simulated_tau():
-    assert simulated_tau([]) == 1.0
-    assert simulated_tau([1.0, 1.0, 1.0]) == 4.0
-    assert simulated_tau([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
 
 
 def test_offline_cache_round_trip_and_disk_refusal(tmp_path, tiny_target, monkeypatch):

@@ -220,6 +220,15 @@ def test_shipped_families_report_proposers_that_read_the_declared_signal(tiny_ta
     }
 
 
+def test_a_family_that_declares_its_draft_step_timings_is_timed_by_path(tiny_target):
+    """`python -m eval.cost_curve --drafter` prints the family's draft step by code path without naming the family:
+    EAGLE-3 declares its module and fused steps; a family without the declaration is timed by none."""
+    drafter = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=16).eval()
+    times = family_of(drafter).step_timings(drafter, tiny_target, 8, 2)
+    assert set(times) == {"module", "fused"} and all(t > 0 for t in times.values())
+    assert family_of(MTPDrafter.from_target(tiny_target, 1)).step_timings is None
+
+
 def test_drafters_report_measures_any_checkpoint_without_a_recipe(tiny_chat, tmp_path):
     """``drafters report --drafter DIR`` (eval/report.py as a module): the target comes from the checkpoint's block,
     the rows from the family it names."""
@@ -252,13 +261,11 @@ def test_drafters_report_measures_any_checkpoint_without_a_recipe(tiny_chat, tmp
 SHARED = ("eval/**/*.py", "scripts/*.py", "models/export.py", "train/losses.py")
 """The shared modules: whatever they need of a family they read from its declaration."""
 NOT_YET = {
-    "eval/cost_curve.py": "times an EAGLE-3 drafter step (--drafter)",
     "models/export.py": "each family's engine exports",
     "scripts/cli.py": "the quick start trains and measures EAGLE-3",
     "scripts/data_scaling.py": "the data-scaling curve of EAGLE-3 snapshots",
     "scripts/estimate.py": "an if-chain over the recipe sections of the three families",
     "scripts/ship_drafter.py": "the card of the shipped EAGLE-3 drafter",
-    "train/losses.py": "eagle3_ttt_loss (its one caller, train/eagle3.py, renames with it)",
 }
 """Shared modules that still name a family, and where; each leaves this list when its family code moves into the
 family's own module (the test fails for an entry that no longer names one, so the list only shrinks)."""

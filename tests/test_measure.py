@@ -106,10 +106,27 @@ def test_cli_warns_when_run_from_another_checkout(tmp_path):
     assert other_checkout(tmp_path / "elsewhere") is None
 
 
-def test_chain_length_from_the_cost_curve():
-    from eval.cost_curve import best_chain_length, expected_tokens
+def test_the_sizing_reads_the_cost_curve_fitted_monotone():
+    """A 2-token verify timed below vanilla's step (a disturbed step, or a shape vanilla could run too) lowers
+    vanilla's step to it: a chain's predicted speedup is then at most the tokens it yields, never a gain from the
+    shape. Read raw, the same curve predicts more than the accepted tokens can give."""
+    from eval.cost_curve import best_chain_length, fitted_costs
+    from models.acceptance import expected_tokens
 
-    assert expected_tokens([0.5, 0.5, 0.5], 2) == 1 + 0.5 + 0.25
+    curve, vanilla = {1: 0.050, 2: 0.040, 3: 0.090, 4: 0.060}, 0.045
+    fit, fit_vanilla = fitted_costs(curve, vanilla)
+    assert fit == {1: 0.040, 2: 0.040, 3: 0.060, 4: 0.060} and fit_vanilla == 0.040
+    alpha = [0.5, 0.5, 0.5]
+    _, rates = best_chain_length(alpha, 0.0, fit)
+    assert all(rates[k] * fit_vanilla <= expected_tokens(alpha, k) + 1e-12 for k in rates)
+    _, raw = best_chain_length(alpha, 0.0, curve)
+    assert raw[1] * vanilla > expected_tokens(alpha, 1)
+    assert fitted_costs({2: 0.05, 4: 0.07}, 0.04) == ({2: 0.05, 4: 0.07}, 0.04)  # a monotone curve is kept
+
+
+def test_chain_length_from_the_cost_curve():
+    from eval.cost_curve import best_chain_length
+
     # flat verify cost: deeper always pays while acceptance is positive
     k, _ = best_chain_length([0.8, 0.8, 0.8], 0.001, {n: 0.05 for n in range(1, 6)})
     assert k == 3

@@ -28,6 +28,7 @@ from accelerate.utils import set_seed  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from eval.report import ReportConfig, run_report  # noqa: E402
+from models.acceptance import expected_tokens  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.eagle3 import Eagle3Drafter  # noqa: E402
 from models.export import save_sglang, save_speculators  # noqa: E402
@@ -40,7 +41,7 @@ from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage  # noqa: E402
 from train.features import attention_masks, target_signals  # noqa: E402
 from train.loop import TrainingPlan, feature_source, load_target_and_data, start_training  # noqa: E402
-from train.losses import eagle3_ttt_loss, simulated_tau, ttt_targets  # noqa: E402
+from train.losses import ttt_loss, ttt_targets  # noqa: E402
 from train.optim import adamw  # noqa: E402
 from train.progress import Progress, record, stamp_heldout  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
@@ -132,13 +133,13 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
         labels = ttt_targets(last_hidden, target.lm_head, batch["loss_mask"], model.t2d, k, sample_ids)
         with accelerator.autocast():
             logits = model(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, k, labels.masks)
-        res = eagle3_ttt_loss(logits, labels)
+        res = ttt_loss(logits, labels)
         correct += res.step_correct
         count += res.step_count
     correct, count = accelerator.reduce(correct, "sum"), accelerator.reduce(count, "sum")
     model.train()
     alphas = (correct / count.clamp(min=1)).tolist()
-    return {"eval/acc": alphas, "eval/simulated_tau": simulated_tau(alphas)}
+    return {"eval/acc": alphas, "eval/simulated_tau": expected_tokens(alphas)}
 
 
 def add_self_distilled(accelerator, cfg: Eagle3RecipeConfig, target, prompt_pool, train_set, pad_id: int, log):
@@ -189,7 +190,7 @@ def train_ttt(
         labels = ttt_targets(last_hidden, target.lm_head, batch["loss_mask"], model.t2d, k, sample_ids)
         with accelerator.accumulate(drafter), accelerator.autocast():  # no all-reduce before the boundary
             logits = drafter(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, k, labels.masks)
-            res = eagle3_ttt_loss(logits, labels, cfg.drafter.step_weight)
+            res = ttt_loss(logits, labels, cfg.drafter.step_weight)
             accelerator.backward(res.loss)  # divided by train.grad_accum there
         progress.add(
             res.loss, res.step_correct, res.step_count, int(batch["attention_mask"].sum()), None, res.step_loss

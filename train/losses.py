@@ -60,7 +60,7 @@ def ttt_targets(
     target_hidden [B, T, H]: what the target's head reads (``target_head`` maps [N, H] → [N, V] logits); position p
     predicts token p+1. Step i at position t is labelled by ``softmax(logits[t+1+i][t2d])`` and trained where
     token t+2+i is a loss token (loss_mask [B, T]) of the same sample (sample_ids [B, T], packed rows) and the
-    target's top token at t+1+i is draftable; step weight and reduction are `eagle3_ttt_loss`'s. Every label position
+    target's top token at t+1+i is draftable; step weight and reduction are `ttt_loss`'s. Every label position
     p has loss_mask[p+1], so the head runs on those positions alone: on chat data, a third of a padded batch (the
     49k-wide target head and the draft head were ~80 % of a SmolLM2 EAGLE-3 training step, measured)."""
     mask_tokens = loss_mask.bool()
@@ -84,7 +84,7 @@ def ttt_targets(
     return TTTTargets(masks, labels, top)
 
 
-def eagle3_ttt_loss(draft_logits: list[torch.Tensor], targets: TTTTargets, step_weight: float = 0.8) -> TTTLoss:
+def ttt_loss(draft_logits: list[torch.Tensor], targets: TTTTargets, step_weight: float = 0.8) -> TTTLoss:
     """Soft cross-entropy of every TTT step against the target distribution on the draft vocabulary.
 
     draft_logits: per step i, [N_i, Vd] at the positions ``targets.masks[i]`` selects (in its row-major order; the
@@ -101,15 +101,6 @@ def eagle3_ttt_loss(draft_logits: list[torch.Tensor], targets: TTTTargets, step_
         step_correct.append((logits.argmax(-1) == targets.top[i]).sum())
         step_count.append(count)
     return TTTLoss(total, torch.stack(step_loss), torch.stack(step_correct), torch.stack(step_count))
-
-
-def simulated_tau(alphas: list[float]) -> float:
-    """DESIGN.md §4: τ ≈ 1 + Σ_k Π_{i≤k} α_i from per-step top-1 agreement α_i (teacher-forced, so an estimate)."""
-    tau, run = 1.0, 1.0
-    for a in alphas:
-        run *= a
-        tau += run
-    return tau
 
 
 def position_targets(

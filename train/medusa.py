@@ -34,6 +34,7 @@ from accelerate.utils import set_seed  # noqa: E402
 
 from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
 from infer.tree_search import best_rank_paths, expected_accepted  # noqa: E402
+from models.acceptance import expected_tokens  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.export import medusa_original_refusal, save_medusa_original, save_medusa_vllm  # noqa: E402
 from models.medusa import MedusaDrafter  # noqa: E402
@@ -45,7 +46,7 @@ from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.features import final_hidden  # noqa: E402
 from train.joint import JointConfig, save_target_changes, served, trained_modules  # noqa: E402
 from train.loop import feature_source, load_target_and_data, start_training  # noqa: E402
-from train.losses import position_targets, rank_hits, simulated_tau  # noqa: E402
+from train.losses import position_targets, rank_hits  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
 from train.progress import stamp_heldout  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
@@ -133,7 +134,7 @@ def evaluate(accelerator, target, model: MedusaDrafter, eval_set, cfg: MedusaRec
     return {
         "eval/acc": [round(a[0], 4) for a in acc],
         "eval/rank_acc": [[round(x, 4) for x in a] for a in acc],
-        "eval/simulated_tau": simulated_tau([a[0] for a in acc]),
+        "eval/simulated_tau": expected_tokens([a[0] for a in acc]),
         "eval/tree_expected_tau": 1 + expected_accepted(acc, paths),
         "tree_paths": [list(p) for p in paths],
     }

@@ -37,6 +37,7 @@ from accelerate.utils import set_seed  # noqa: E402
 from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
 from infer.mtp_proposer import input_signal  # noqa: E402
 from infer.tree_search import expected_accepted  # noqa: E402
+from models.acceptance import expected_tokens  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.export import mtp_engine_exports  # noqa: E402
 from models.mtp import BLOCK_INITS, INPUT_SIGNALS, MTPConfig, MTPDrafter  # noqa: E402
@@ -48,7 +49,7 @@ from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.features import attention_masks, target_forward  # noqa: E402
 from train.joint import JointConfig, save_target_changes, served, trained_modules  # noqa: E402
 from train.loop import load_target_and_data, start_training  # noqa: E402
-from train.losses import position_targets, rank_hits, simulated_tau  # noqa: E402
+from train.losses import position_targets, rank_hits  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
 from train.progress import stamp_heldout  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
@@ -162,7 +163,7 @@ def evaluate(accelerator, target: TargetModel, drafter: MTPDrafter, eval_set, tc
         "eval/depth_loss": [round(x, 4) for x in (loss / count.clamp(min=1)).tolist()],
         "eval/acc": [round(a[0], 4) for a in acc],
         "eval/rank_acc": [[round(x, 4) for x in a] for a in acc],
-        "eval/simulated_tau": simulated_tau([a[0] for a in acc]),
+        "eval/simulated_tau": expected_tokens([a[0] for a in acc]),
         f"eval/tree_top{R}_expected_tau": 1 + expected_accepted(acc, tree),
     }
 

@@ -22,7 +22,6 @@ decoding and HF generate run through the same routed modules, so the baseline ga
 
 from __future__ import annotations
 
-import time
 import types
 
 import torch
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.kernels.shape_invariant import rows_of
+from models.timing import best_of
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Row counts timed; a call with m rows uses the choice of the smallest bucket >= m (more rows: F.linear). 32 and 64
@@ -38,16 +38,6 @@ GFLOP/s against F.linear's 36 / 47 at 32 / 64 rows."""
 PAD_UP_TO = 16
 """Up to this bucket a call's rows are zero-padded to the bucket (odd small row counts measured slower); above it
 only where the bucket's choice says ``@<rows>``: padding 33 rows to 64 would double the work."""
-
-
-def _best_seconds(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 LAYOUTS = ("linear", "w_x", "x_wt")
@@ -79,7 +69,7 @@ def choose_layouts(weight: torch.Tensor, reps: int = 3) -> tuple[str, ...]:
             "w_x": lambda x=x: [torch.mm(w, x.t()).t().contiguous() for w in copies],
             "x_wt": lambda x=x: [torch.mm(x, wt) for wt in transposed],
         }
-        times = {name: _best_seconds(fn, reps) for name, fn in calls.items()}
+        times = {name: best_of(fn, reps).best for name, fn in calls.items()}
         best = min(times, key=times.get)
         chosen = best if times[best] < 0.95 * times["linear"] else "linear"
         out.append((chosen, times[chosen]))

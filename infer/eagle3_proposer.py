@@ -30,6 +30,7 @@ from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
 from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
 from models.eagle3 import Eagle3Drafter, FusedStep
+from models.export import eagle3_engine_exports
 
 
 class Eagle3Proposer(Proposer):
@@ -252,4 +253,6 @@ def report_proposers(drafter: Eagle3Drafter, settings: ReportSettings, size: Cha
     return out
 
 
-FAMILY = DrafterFamily(Eagle3Drafter, lambda drafter: Eagle3Proposer.signal, report_proposers)
+FAMILY = DrafterFamily(
+    Eagle3Drafter, lambda drafter: Eagle3Proposer.signal, report_proposers, engine_exports=eagle3_engine_exports
+)

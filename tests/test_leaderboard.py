@@ -274,3 +274,20 @@ def test_the_quick_start_table_says_its_evidence_in_words(capsys):
     assert "lossless evidence" in out
     assert "greedy identical 25 % in bf16, all 3 divergences within bf16 rounding; fp32 100 %" in out
     assert " 0.25\n" not in out  # the bare share a newcomer read as "lossy"
+
+
+def test_a_sweep_is_plotted_with_its_values_and_vanilla_s_spread(tmp_path):
+    from eval.leaderboard import write_markdown, write_plots
+
+    swept = [
+        ROW
+        | {"cell": "chat__T0__sweep_bs1-4", "sweep": True, "batch_size": b, "speedup": s, "vanilla_repeat_spread": v}
+        for b, s, v in ((1, 1.2, None), (4, 0.95, 0.1))
+    ]
+    cells = [{"cell": "chat__T0__bs1", "status": "done"},
+             {"cell": "chat__T0__sweep_bs1-4", "status": "done", "sweep": [1, 4], "source": "builtin:chat"}]  # fmt: skip
+    board = {"target": "t", "machine": "m", "created": "now", "results": [ROW, *swept], "cells": cells}
+    assert (tmp_path / "speedup_by_batch.png") in write_plots(board, tmp_path)
+    write_markdown(board, tmp_path / "leaderboard.md")
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "`speedup_by_batch.png`" in md and "| eagle3 (chain 3) | 1.20x | 0.95x |" in md and "±5%" in md

@@ -199,7 +199,11 @@ def run_cells(cfg: LeaderboardConfig, run_cell, log=print, here: dict | None = N
             "batch_size": cell.batch_size,
             "sweep": list(cell.sweep),
         }
-        if (folder / "report.json").exists() and stamp.exists() and same_settings(json.loads(stamp.read_text()), fingerprint):
+        if (
+            (folder / "report.json").exists()
+            and stamp.exists()
+            and same_settings(json.loads(stamp.read_text()), fingerprint)
+        ):
             there = _cell_machine(folder)
             if there is None or machine_key(there) == machine_key(here) or cfg.reuse_other_machines:
                 statuses.append(entry | {"status": "reused"})
@@ -257,16 +261,48 @@ def method_of(r: dict) -> str:
     return f"{r['proposer']} ({r['setting']})"
 
 
-def evidence(r: dict) -> str:
-    """The row's lossless evidence in words (`eval.measure.evidence_words` at T = 0)."""
-    from eval.measure import evidence_words
+def evidence(rows: list[dict]) -> str:
+    """One entry's lossless evidence, pooled over its rows (categories, cells), in words that need no legend:
+    "greedy identical 25 % in bf16, all 3 divergences within bf16 rounding; fp32 100 %". A bare "bf16 0.25" read as
+    "lossy" to newcomers, and per-category strings joined without their categories could not be told apart.
+    Shares are weighted by each row's prompts; at T > 0 the claim is the accept rule's."""
+    from eval.measure import DTYPE_SHORT
 
-    if r["temperature"] > 0 and not r.get("lossy"):
-        return "lossless rule (rejection sampling)"
-    return evidence_words(r)
+    if any(r["lossy"] for r in rows):
+        return "lossy (typical acceptance): no identity claim"
+    greedy = [r for r in rows if r["temperature"] == 0 and r.get("greedy_identical") is not None]
+    if not greedy:
+        return "lossless rule (rejection sampling)" if all(r["temperature"] > 0 for r in rows) else "not compared"
+    parts = []
+    for dtype in sorted({r["dtype"] for r in greedy}):
+        part, dt = [r for r in greedy if r["dtype"] == dtype], DTYPE_SHORT.get(dtype, dtype)
+        words = f"greedy identical {_share(part, 'greedy_identical')} in {dt}"
+        n, explained = sum(len(r["divergences"]) for r in part), sum(r["explained_divergences"] for r in part)
+        if n:
+            words += (
+                f", {'the' if n == 1 else 'all'} {_count(n, 'divergence')} within {dt} rounding"
+                if explained == n
+                else f", {n - explained} of {_count(n, 'divergence')} NOT explained by {dt} rounding"
+            )
+        if dtype != "float32":
+            replayed = [r for r in part if r.get("greedy_identical_fp32") is not None]
+            words += f"; fp32 {_share(replayed, 'greedy_identical_fp32')}" if replayed else "; fp32 replay not run"
+            bad = sum(not d["explained"] for r in replayed for d in r["fp32_divergences"])
+            words += f" ({_count(bad, 'unexplained divergence')})" if bad else ""
+        parts.append(words)
+    return "; ".join(parts)
 
 
-def _category_rows(rows: list[dict]) -> list[dict]:
+def _share(rows: list[dict], key: str) -> str:
+    weight = sum(r.get("prompts") or 1 for r in rows)
+    return f"{100 * sum(r[key] * (r.get('prompts') or 1) for r in rows) / weight:.0f} %"
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def category_rows(rows: list[dict]) -> list[dict]:
     """Rows of one category each: a cell's per-category rows, and its "all" row only where it has one category."""
     by_cell: dict[str, set] = {}
     for r in rows:
@@ -274,8 +310,10 @@ def _category_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["category"] != "all" or by_cell[r["cell"]] == {"all"}]
 
 
-def _category(r: dict) -> str:
-    if r["category"] != "all":
+def category_of(r: dict) -> str:
+    """The prompt category of a row: its own, or, for a one-category cell's "all" row, the cell's source (a built-in
+    category, or a prompt file's name)."""
+    if r["category"] != "all" or "source" not in r:
         return r["category"]
     return r["source"].split(":", 1)[1] if r["source"].startswith("builtin:") else Path(r["source"]).stem
 
@@ -296,20 +334,20 @@ def overall(rows: list[dict]) -> dict:
 
 def tables(board: dict) -> list[tuple[float, int, list[str], list[dict]]]:
     """Per (T, batch size): the categories and one entry per method with its per-category speedups and overall."""
-    rows = _category_rows([r for r in board["results"] if not r.get("sweep")])
+    rows = category_rows([r for r in board["results"] if not r.get("sweep")])
     out = []
     for temp in sorted({r["temperature"] for r in rows}):
         for bs in sorted({r["batch_size"] for r in rows}):
             part = [r for r in rows if r["temperature"] == temp and r["batch_size"] == bs]
-            cats = sorted({_category(r) for r in part})
+            cats = sorted({category_of(r) for r in part})
             entries = {}
             for r in part:
                 e = entries.setdefault(method_of(r), {"method": method_of(r), "by_category": {}, "rows": []})
-                e["by_category"][_category(r)] = r["speedup"]
+                e["by_category"][category_of(r)] = r["speedup"]
                 e["rows"].append(r)
             for e in entries.values():
                 e |= overall(e["rows"])
-                e["evidence"] = "; ".join(sorted({evidence(r) for r in e["rows"]}))
+                e["evidence"] = evidence(e["rows"])
             ranked = sorted(entries.values(), key=lambda e: -(e["speedup"] or 0))
             out.append((temp, bs, cats, ranked))
     return out
@@ -322,11 +360,11 @@ def sweep_table(board: dict) -> tuple[list[int], list[dict]]:
     sizes = sorted({r["batch_size"] for r in rows})
     entries: dict[str, dict] = {}
     for r in rows:
-        e = entries.setdefault(method_of(r), {"method": method_of(r), "by_batch": {}, "evidence": set()})
+        e = entries.setdefault(method_of(r), {"method": method_of(r), "by_batch": {}, "rows": []})
         e["by_batch"][r["batch_size"]] = r["speedup"]
-        e["evidence"].add(evidence(r))
+        e["rows"].append(r)
     for e in entries.values():
-        e["evidence"] = "; ".join(sorted(e["evidence"]))
+        e["evidence"] = evidence(e.pop("rows"))
     return sizes, sorted(entries.values(), key=lambda e: -e["by_batch"].get(sizes[0], 0) if sizes else 0)
 
 
@@ -335,7 +373,11 @@ def _sweep_lines(board: dict) -> list[str]:
     if not sizes:
         return []
     sweep = next(c for c in board["cells"] if c.get("sweep"))
-    on = f" (measured on {sweep['machine']})" if sweep.get("machine") and sweep["machine"] != board.get("machine") else ""
+    on = (
+        f" (measured on {sweep['machine']})"
+        if sweep.get("machine") and sweep["machine"] != board.get("machine")
+        else ""
+    )
     lines = [
         f"Batch-aware speculation{on}: T = 0, `{sweep['source']}` prompts cycled to fill each batch; speedup over vanilla "
         "at the same batch size. The auto row's chain length per batch size was chosen from the cost curve measured "
@@ -387,8 +429,10 @@ def write_markdown(board: dict, path: Path) -> None:
     if bad:
         lines += ["", "## Cells not measured", ""]
         lines += [f"- `{c['cell']}`: {c['status']} ({c.get('why', '')})" for c in bad]
-    lines += ["", "Plots: `speedup_by_category.png`, `acceptance_by_position.png`, `speedup_by_batch.png`, "
-              "`tau_by_prompt_length.png`. Per-cell reports (with the sizing and the certificate): `cells/*/report.md`."]  # fmt: skip
+    plots = ["speedup_by_category", "acceptance_by_position", "tau_by_prompt_length"]
+    plots += ["speedup_by_batch"] if has_sweep(board) else []
+    lines += ["", f"Plots: {', '.join(f'`{p}.png`' for p in plots)}. Per-cell reports (with the sizing and the "
+              "certificate): `cells/*/report.md`."]  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -435,86 +479,172 @@ def write_csv(board: dict, path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------- plots
+SERIES_PER_PANEL = 6
+"""At most this many series share one panel: 11 bars per category in paired shades could not be told apart."""
+
+
+def has_sweep(board: dict) -> bool:
+    """A batch sweep worth a plot: sweep rows at more than one batch size."""
+    return len({r["batch_size"] for r in board["results"] if r.get("sweep")}) > 1
+
+
 def write_plots(board: dict, out: Path) -> list[Path]:
-    """The four plots (PNG), each titled with the target and the machine."""
+    """The plots (PNG), each titled with the target and the machine: speedup per category, acceptance per draft
+    position, τ against prompt length, and speedup against batch size where the board has a sweep (a stale one is
+    removed otherwise: a batch plot of batch 1 alone says nothing)."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     name = Path(str(board.get("target"))).name
     title = f"{name} on {machines_words([c for c in board['cells'] if not c.get('sweep')]) or board.get('machine')}"
-    plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.get_cmap("tab20").colors)
-    rows = _category_rows([r for r in board["results"] if not r.get("sweep")])
-    paths = []
+    rows = category_rows([r for r in board["results"] if not r.get("sweep")])
     first_t = min((r["temperature"] for r in rows), default=0.0)
     base = [r for r in rows if r["batch_size"] == 1 and r["temperature"] == first_t]
-
-    # speedup per category per method (T lowest, batch 1)
-    cats = sorted({_category(r) for r in base})
-    methods = sorted({method_of(r) for r in base})
-    fig, ax = plt.subplots(figsize=(max(11, 1.6 * len(cats) + 7), 5))
-    width = 0.8 / max(1, len(methods))
-    colors = plt.get_cmap("tab20").colors
-    for i, m in enumerate(methods):
-        vals = {_category(r): r["speedup"] for r in base if method_of(r) == m}
-        xs = [j + i * width for j, c in enumerate(cats) if c in vals]
-        ax.bar(xs, [vals[c] for c in cats if c in vals], width, label=m, color=colors[i % len(colors)])
-    ax.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats)
-    paths.append(_finish(fig, ax, "prompt category", "speedup over the fastest vanilla (x)",
-                         f"Speedup per category, T = {first_t:g}, batch 1\n{title}", out / "speedup_by_category.png"))  # fmt: skip
-
-    # acceptance per draft position (every category pooled by the cell's "all" row)
-    fig, ax = plt.subplots(figsize=(11, 5))
-    pooled = [r for r in board["results"] if r["category"] == "all" and r["batch_size"] == 1 and not r.get("sweep")
-              and r["temperature"] == first_t and r.get("alpha")]  # fmt: skip
-    for m in sorted({method_of(r) for r in pooled}):
-        alphas = [r["alpha"] for r in pooled if method_of(r) == m]
-        depth = max(len(a) for a in alphas)
-        mean = [sum(a[k] for a in alphas if k < len(a)) / sum(k < len(a) for a in alphas) for k in range(depth)]
-        ax.plot(range(1, depth + 1), mean, marker="o", label=m)
-    ax.set_ylim(0, 1)
-    paths.append(_finish(fig, ax, "draft position (depth in the verified tree)", "acceptance rate α at that position",
-                         f"Acceptance per draft position, T = {first_t:g}\n{title}", out / "acceptance_by_position.png"))  # fmt: skip
-
-    # speedup against batch size (overall per method)
-    fig, ax = plt.subplots(figsize=(11, 5))
-    swept = [r for r in board["results"] if r.get("sweep") and r["category"] == "all"]
-    sweep_cell = next((c for c in board["cells"] if c.get("sweep") and c.get("machine")), None)
-    on = f"{name} on {sweep_cell['machine']}" if swept and sweep_cell else title
-    at_t = swept or [r for r in rows if r["temperature"] == first_t]
-    for m in sorted({method_of(r) for r in at_t}):
-        sizes = sorted({r["batch_size"] for r in at_t if method_of(r) == m})
-        ys = [overall([r for r in at_t if method_of(r) == m and r["batch_size"] == b])["speedup"] for b in sizes]
-        ax.plot(sizes, ys, marker="o", label=m)
-    ax.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax.set_xscale("log", base=2)
-    paths.append(_finish(fig, ax, "batch size (rows decoded together)", "speedup over vanilla at that batch size (x)",
-                         f"Speedup against batch size, T = {first_t:g}\n{on}", out / "speedup_by_batch.png"))  # fmt: skip
-
-    # τ against prompt length (one point per generate call)
-    fig, ax = plt.subplots(figsize=(11, 5))
-    calls = [r for r in rows if r.get("per_call") and r["temperature"] == first_t and r["batch_size"] == 1]
-    for m in sorted({method_of(r) for r in calls}):
-        pts = [(c[0], c[1] / c[2]) for r in calls if method_of(r) == m for c in r["per_call"] if c[2]]
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, label=m, alpha=0.7)
-    paths.append(_finish(fig, ax, "prompt length (tokens)", "τ: tokens per target forward (vanilla = 1)",
-                         f"τ against prompt length, T = {first_t:g}, batch 1\n{title}", out / "tau_by_prompt_length.png"))  # fmt: skip
+    head = f"T = {first_t:g}, batch 1\n{title}"
+    paths = [_plot_speedup_by_category(base, head, out / "speedup_by_category.png"),
+             _plot_acceptance(base, head, out / "acceptance_by_position.png"),
+             _plot_tau_by_prompt_length(base, head, out / "tau_by_prompt_length.png")]  # fmt: skip
+    batch_png = out / "speedup_by_batch.png"
+    if has_sweep(board):
+        paths.append(_plot_speedup_by_batch(board, name, batch_png))
+    else:
+        batch_png.unlink(missing_ok=True)
     return paths
 
 
-def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> Path:
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+def _panels(series: list[str]) -> list[list[str]]:
+    """``series`` cut into panels of at most `SERIES_PER_PANEL`, evenly."""
+    n = max(1, -(-len(series) // SERIES_PER_PANEL))
+    size = -(-len(series) // n) if series else 1
+    return [series[i : i + size] for i in range(0, len(series), size)] or [[]]
+
+
+def _plot_speedup_by_category(base: list[dict], head: str, path: Path) -> Path:
+    """Horizontal bars: one row of bars per method (fastest overall on top), one bar per category, each bar with its
+    value written at its end; vanilla's 1.00x as a line."""
+    import matplotlib.pyplot as plt
+
+    methods = sorted(
+        {method_of(r) for r in base}, key=lambda m: overall([r for r in base if method_of(r) == m])["speedup"] or 0
+    )
+    groups = _panels(sorted({category_of(r) for r in base}))
+    fig, axes = plt.subplots(1, len(groups), figsize=(7.5 * len(groups), 0.55 * len(methods) + 2.2), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    for ax, cats in zip(axes[0], groups):
+        height = 0.8 / max(1, len(cats))
+        for i, c in enumerate(cats):
+            vals = {method_of(r): r["speedup"] for r in base if category_of(r) == c}
+            ys = [j - (i - (len(cats) - 1) / 2) * height for j, m in enumerate(methods) if m in vals]  # first on top
+            bars = ax.barh(ys, [vals[m] for m in methods if m in vals], height, label=c, color=colors[i % len(colors)])
+            ax.bar_label(bars, fmt="%.2fx", fontsize=7, padding=2)
+        ax.axvline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_yticks(range(len(methods)), [_wrap(m) for m in methods], fontsize=7)
+        ax.set_xlim(0, 1.18 * max((r["speedup"] for r in base), default=1.0))
+        ax.set_xlabel("speedup over the fastest vanilla (x); dashed: vanilla = 1.00x")
+        ax.legend(title="prompt category", fontsize=7, title_fontsize=7, loc="lower right")
+    fig.suptitle(f"Speedup per prompt category, {head}", fontsize=9)
+    return _save(fig, path)
+
+
+def _wrap(label: str, width: int = 44) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(label, width))
+
+
+def _plot_acceptance(base: list[dict], head: str, path: Path) -> Path:
+    """Acceptance per draft position, categories pooled. With the rows' counts: unconditional, the share of verify
+    steps whose draft at position k was accepted (what a reader expects: it can only fall with k). A board made before
+    the counts were kept has only the conditional α_k (accepted among the rounds that reached position k), so it is
+    plotted under that name, with a note that deep points rest on the few rounds that reached them."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    drafted = [r for r in base if r.get("alpha")]
+    counted = all(r.get("verify_steps") for r in drafted)
+    methods = sorted({method_of(r) for r in drafted})
+    groups = _panels(methods)
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 5.5), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        for m in group:
+            mine = [r for r in drafted if method_of(r) == m]
+            depth = max(len(r["alpha"]) for r in mine)
+            if counted:
+                steps = sum(r["verify_steps"] for r in mine)
+                ys = [sum(r["accepted_at_depth"][k] for r in mine if k < len(r["accepted_at_depth"])) / steps
+                      for k in range(depth)]  # fmt: skip
+                label = f"{_wrap(m, 60)} ({steps} verify steps)"
+            else:
+                ys = [sum(r["alpha"][k] for r in mine if k < len(r["alpha"])) / sum(k < len(r["alpha"]) for r in mine)
+                      for k in range(depth)]  # fmt: skip
+                label = _wrap(m, 60)
+            ax.plot(range(1, depth + 1), ys, marker="o", label=label)
+        ax.set_ylim(0, 1.02)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("draft position k (depth in the verified draft)")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)
+    if counted:
+        axes[0][0].set_ylabel("share of verify steps that accepted position k")
+        note = "unconditional: every verify step counts at every position"
+    else:
+        axes[0][0].set_ylabel("conditional α_k = accepted / rounds that reached position k")
+        note = ("conditional: α_k counts only the rounds whose drafts before k were all accepted;\n"
+                "this board kept no attempt counts, so a deep point may rest on a handful of rounds")  # fmt: skip
+    fig.suptitle(f"Acceptance per draft position, {note}\n{head}", fontsize=9)
+    return _save(fig, path)
+
+
+def _plot_tau_by_prompt_length(base: list[dict], head: str, path: Path) -> Path:
+    """τ of every generate call against its prompt length, one point per call."""
+    import matplotlib.pyplot as plt
+
+    calls = [r for r in base if r.get("per_call") and r.get("tau")]
+    groups = _panels(sorted({method_of(r) for r in calls}))
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 5.5), squeeze=False, sharey=True)
+    for ax, group in zip(axes[0], groups):
+        for m in group:
+            pts = [(c[0], c[1] / c[2]) for r in calls if method_of(r) == m for c in r["per_call"] if c[2]]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, label=_wrap(m, 60), alpha=0.7)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)
+    axes[0][0].set_ylabel("τ: tokens per target forward (vanilla = 1)")
+    fig.suptitle(f"τ against prompt length, one point per answer, {head}", fontsize=9)
+    return _save(fig, path)
+
+
+def _plot_speedup_by_batch(board: dict, name: str, path: Path) -> Path:
+    """The sweep: each method's speedup against batch size, values written at the points, vanilla's spread shaded."""
+    import matplotlib.pyplot as plt
+
+    swept = [r for r in board["results"] if r.get("sweep") and r["category"] == "all"]
+    sweep_cell = next((c for c in board["cells"] if c.get("sweep")), {})
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for m in sorted({method_of(r) for r in swept}):
+        pts = sorted((r["batch_size"], r["speedup"]) for r in swept if method_of(r) == m)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=_wrap(m, 60))
+        for x, y in pts:
+            ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    noise = sweep_noise(board)
+    sizes = sorted(b for b, v in noise.items() if v is not None)
+    if sizes:  # an error bar at 1.00x per batch size: a speedup inside it is vanilla's own noise
+        ax.errorbar(sizes, [1.0] * len(sizes), yerr=[noise[b] for b in sizes], fmt="none", ecolor="grey", capsize=8,
+                    lw=2, label="vanilla's own spread over repeats (±)")  # fmt: skip
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    batch_sizes = sorted({r["batch_size"] for r in swept})
+    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+    ax.set_xlabel("batch size (rows decoded together)")
+    ax.set_ylabel("speedup over vanilla at that batch size (x)")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)
+    ax.set_title(f"Speedup against batch size, T = 0\n{name} on {sweep_cell.get('machine') or board.get('machine')}",
+                 fontsize=9)  # fmt: skip
     return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     import matplotlib.pyplot as plt
 
     plt.close(fig)

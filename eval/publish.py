@@ -5,12 +5,15 @@ What the folder holds:
 
 - the drafters format (``config.json`` with its ``drafters`` block, ``model.safetensors``), plus the run's
   ``recipe.yaml`` and ``train_log.jsonl`` where the checkpoint has them;
-- every engine export the training run wrote (``export-*/``; each carries its own README with the engine, version
-  and flags, `models.export`), and the reason for each layout the family has but that was refused for this target;
-- ``README.md``, the model card: YAML front matter (license, base model, tags, library), then the target, the data,
-  the recipe and how it trained, the τ and speedup table of its latest measurement (the checkpoint's ``report.json``,
-  or a leaderboard's ``leaderboard.json`` rows of this drafter and the baselines), with its prompt set, machine and
-  lossless evidence, and how to load it in SGLang, vLLM and drafters.
+- every engine folder of the drafter's family (``export-*/``, each with its README giving the engine, the version
+  read and the flags), written here from the checkpoint's weights in their stored dtype by the family's declaration
+  (`infer.family.DrafterFamily.engine_exports`, `models.export`), not copied from what a training run left: a run
+  made before a layout existed, or with exports off, still publishes every folder;
+- ``README.md``, the model card: YAML front matter (license, base model, tags, library), then the files of the folder
+  (exactly those, each said in words), the target, the data, the recipe and how it trained, the τ and speedup table
+  of its latest measurement (the checkpoint's ``report.json``, or a leaderboard's ``leaderboard.json`` rows of this
+  drafter and the baselines, each row naming its prompt category), with its prompt set, machine and lossless
+  evidence, the engine folders written and the layouts refused with each reason, and how to load it.
 
 With ``push_to`` and a Hugging Face token (``HF_TOKEN`` or a saved login) it uploads through ``huggingface_hub``;
 without a token, or when the hub cannot be reached, it says so and stops after writing.
@@ -24,14 +27,32 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
 import yaml
+from safetensors.torch import load_file
 
-from eval.leaderboard import evidence
-from models.checkpoint import CONFIG_NAME, WEIGHTS_NAME, TargetInfo, read_checkpoint
+from eval.leaderboard import category_of, category_rows, evidence
+from infer.families import family_of, load_drafter
+from models.checkpoint import CONFIG_NAME, TARGET_DIR, WEIGHTS_NAME, TargetInfo, read_checkpoint
+from models.export import EngineExport
+from models.loader import load_target
 from models.reference import REFERENCE_TARGETS
+from models.target import TargetConfig, TargetModel
 
 RUN_FILES = ("recipe.yaml", "train_log.jsonl", "report.json", "report.md", "NOTES.md")
 """Files of the run copied beside the weights; ``NOTES.md`` (how the run went, in words) becomes the card's notes."""
+FILE_WORDS = {
+    CONFIG_NAME: "the drafter's config with its `drafters` block (method, target, taps)",
+    WEIGHTS_NAME: "the drafter's weights (drafters format)",
+    "recipe.yaml": "the exact recipe of the training run",
+    "train_log.jsonl": "the training log, one JSON line per logged step",
+    "report.json": "the checkpoint's own measurement (rows of the report schema)",
+    "report.md": "that measurement as a table",
+    "NOTES.md": "how the run went, in words (the Notes below)",
+    "README.md": "this card",
+    TARGET_DIR: "the target's weights as joint training changed them (`models.loader.load_target` applies them)",
+}
+"""What each file a published folder may hold is, in the card's words (an ``export-*`` folder is said by its family)."""
 TARGET_LICENSES = {"smollm2-135m-instruct": "apache-2.0"}
 """Licenses of the reference targets (a drafter trained on a target's outputs is published under the target's)."""
 
@@ -50,7 +71,7 @@ def _results(
     if leaderboard is not None:  # this drafter's rows (and its hybrid) beside the baselines, not other drafters'
         board = json.loads(leaderboard.read_text())
         # the batch sweep's rows stay on the leaderboard: the card's table is the batch-1 comparison
-        mine = [r for r in board["results"] if not r.get("sweep") and (r["proposer"] in (method, f"{method} + prompt lookup")
+        mine = [r for r in category_rows(board["results"]) if not r.get("sweep") and (r["proposer"] in (method, f"{method} + prompt lookup")
                 or r["proposer"] == "prompt lookup" or r["proposer"].startswith(("draft model", "HF ")))]  # fmt: skip
         return mine, {k: board.get(k) for k in ("target", "machine", "created")} | {
             "prompt_set": f"leaderboard {leaderboard.name} ({', '.join(sorted({r['source'] for r in mine}))})"
@@ -66,15 +87,15 @@ def _results(
 
 
 def results_table(rows: list[dict]) -> str:
-    """Markdown: every row of the measurement at batch 1 (T, category, method, setting, τ, speedup, evidence)."""
+    """Markdown: every row of the measurement at batch 1 (T, prompt category, method, setting, τ, speedup, evidence),
+    by T and category, fastest first."""
     lines = ["| T | category | method | setting | τ | speedup | lossless evidence |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r.get("batch_size", 1) != 1:
-            continue
+    shown = [r for r in rows if r.get("batch_size", 1) == 1]
+    for r in sorted(shown, key=lambda r: (r["temperature"], category_of(r), -r["speedup"])):
         tau = f"{r['tau']:.2f}" if r.get("tau") else "—"
         lines.append(
-            f"| {r['temperature']:g} | {r['category']} | {r['proposer']} | {r['setting']} | {tau} | "
-            f"{r['speedup']:.2f}x | {evidence(r)} |"
+            f"| {r['temperature']:g} | {category_of(r)} | {r['proposer']} | {r['setting']} | {tau} | "
+            f"{r['speedup']:.2f}x | {evidence([r])} |"
         )
     return "\n".join(lines)
 
@@ -108,10 +129,33 @@ def _recipe(folder: Path) -> tuple[str, str | None]:
     return f"```yaml\n{text.strip()}\n```", data
 
 
+def files_section(folder: Path, exports: list[EngineExport]) -> str:
+    """The folder's files, exactly those there (README.md included, written last), each in words."""
+    said = {e.folder: e.what for e in exports}
+    names = sorted({p.name for p in folder.iterdir()} | {"README.md"})
+    return "\n".join(f"- `{n}{'/' if (folder / n).is_dir() else ''}`: {said.get(n) or FILE_WORDS.get(n, 'a file of the run')}"
+                     for n in names)  # fmt: skip
+
+
+def engines_section(folder: Path, exports: list[EngineExport]) -> str:
+    """Each engine folder written (its README) and each layout refused for this drafter, with the reason."""
+    written = [e for e in exports if e.write is not None]
+    parts = [f"### `{e.folder}/`\n\n{(folder / e.folder / 'README.md').read_text().strip()}" for e in written]
+    refused = [f"- `{e.folder}/` is not here: {e.what}." for e in exports if e.write is None]
+    if refused:
+        parts.append("Layouts of this family refused for this drafter (written by no one, so nothing to load):\n\n"
+                     + "\n".join(refused))  # fmt: skip
+    return "\n\n".join(parts) or "The drafter's family declares no engine layout: it serves in drafters' runtime."
+
+
 def model_card(
-    folder: Path, info: TargetInfo, exports: dict[str, str], leaderboard: Path | None = None, report: Path | None = None
+    folder: Path,
+    info: TargetInfo,
+    exports: list[EngineExport],
+    leaderboard: Path | None = None,
+    report: Path | None = None,
 ) -> str:
-    """The model card (README.md) of a published folder; ``exports``: folder → its engine README's text."""
+    """The model card (README.md) of a published folder whose engine folders ``exports`` are written."""
     rows, head = _results(folder, leaderboard, info.method, report)
     recipe, data = _recipe(folder)
     base = base_model(info)
@@ -124,7 +168,6 @@ def model_card(
     }
     if data and re.fullmatch(r"[\w.-]+/[\w-]+", data):  # a hub dataset id; a local file is described below
         front["datasets"] = [data]
-    load = "\n\n".join(f"### `{name}/`\n\n{text.strip()}" for name, text in sorted(exports.items()))
     table = results_table(rows) if rows else "Not measured yet: run `drafters report --drafter <this folder>`."
     notes = f"\n## Notes\n\n{(folder / 'NOTES.md').read_text().strip()}\n" if (folder / "NOTES.md").exists() else ""
     return f"""---
@@ -143,11 +186,18 @@ the target's distribution).
 - **Data**: {f"`{data}`" if data else "see the recipe"}; its data card is the README beside it.
 - **Training**: {_training(folder)}
 
+## Files
+
+{files_section(folder, exports)}
+
 ## Measured τ and speedup
 
 Prompt set: {head.get("prompt_set", "—")}. Machine: {head.get("machine", "—")}. Measured {head.get("created", "—")}.
 τ counts the bonus token (vanilla = 1.00); speedup is tokens/s over the fastest vanilla of the same run (our
 KV-cached loop or HF `generate`), answers stopping at EOS, every method interleaved with vanilla prompt by prompt.
+Lossless evidence at T = 0: the share of answers identical to vanilla's greedy answer in the served dtype, whether
+each divergence lies within that dtype's rounding (the target's top-2 logits tied there), and the same answers
+replayed in fp32.
 
 {table}
 
@@ -155,11 +205,10 @@ KV-cached loop or HF `generate`), answers stopping at EOS, every method interlea
 
 In drafters: `drafters report --drafter <this folder>` measures it;
 `infer.families.load_drafter("<this folder>", target, tokenizer)` loads it for `infer.generate.generate_speculative`.
+The engine folders below were written from this folder's weights by `drafters publish` (`models/export.py`; which
+engine source reads which field: `docs/exports.md` of drafters).
 
-{load or "No engine export was written for this drafter."}
-
-An engine layout of this family that is not here was refused for this target at export time (the training log
-says why; the rules: `docs/exports.md` of drafters).
+{engines_section(folder, exports)}
 
 ## Recipe
 
@@ -167,30 +216,60 @@ says why; the rules: `docs/exports.md` of drafters).
 {notes}"""
 
 
+def _stored_dtype(weights: Path) -> torch.dtype:
+    """The dtype the checkpoint stores its floating-point weights in (a shipped drafter keeps bf16: half the bytes)."""
+    return next(t.dtype for t in load_file(str(weights)).values() if t.is_floating_point())
+
+
+def write_engine_folders(drafter: torch.nn.Module, out: Path, dtype: torch.dtype) -> list[EngineExport]:
+    """Every engine folder of the drafter's family into ``out``, in ``dtype``; an ``export-*`` folder already there
+    is replaced, so the folder holds what these weights make and nothing a training run left. A weights file equal
+    tensor for tensor to ``out``'s own becomes a link to it (EAGLE-3's SGLang keys are ours: one copy in a repository)."""
+    for stale in out.glob("export-*"):
+        shutil.rmtree(stale)
+    exports = family_of(drafter).engine_exports(drafter.to(dtype))
+    for e in exports:
+        if e.write is None:
+            continue
+        written = e.write(out / e.folder) / WEIGHTS_NAME
+        if written.exists() and _same_tensors(written, out / WEIGHTS_NAME):
+            written.unlink()
+            written.symlink_to(Path("..") / WEIGHTS_NAME)
+    return exports
+
+
+def _same_tensors(a: Path, b: Path) -> bool:
+    """Same names, dtypes and values (the files' headers may differ: ours names the method in its metadata)."""
+    x, y = load_file(str(a)), load_file(str(b))
+    return x.keys() == y.keys() and all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x)
+
+
 def publish(
     checkpoint: str | Path,
     out_dir: str | Path,
     leaderboard: str | Path | None = None,
     report: str | Path | None = None,
+    target: TargetModel | None = None,
 ) -> Path:
     """Write the publishable folder of ``checkpoint`` into ``out_dir`` (the checkpoint folder itself is allowed:
-    its card is rewritten in place). The card's table: ``leaderboard`` (a leaderboard.json), else ``report`` (a
-    report.json), else the checkpoint's own report.json. Returns ``out_dir``."""
+    its engine folders and card are rewritten in place). The card's table: ``leaderboard`` (a leaderboard.json), else
+    ``report`` (a report.json), else the checkpoint's own report.json. ``target``: the target the drafter loads on
+    (default: the one its ``drafters`` block names, in fp32 on the CPU: only the exports' shapes and the target's
+    own tensors some layouts carry are read from it). Returns ``out_dir``."""
     src, out = Path(checkpoint), Path(out_dir)
     _, info = read_checkpoint(src)  # refuses a folder that is not a drafters checkpoint, before anything is written
+    if target is None:
+        cfg = TargetConfig(info.target_name, dtype="float32", device="cpu", aux_layer_ids=info.aux_layer_ids or None)
+        target = load_target(src, cfg)
+    drafter = load_drafter(src, target)  # a target the drafter does not fit is refused here, before any write
     out.mkdir(parents=True, exist_ok=True)
     if src.resolve() != out.resolve():
         for name in (CONFIG_NAME, WEIGHTS_NAME, *RUN_FILES):
             if (src / name).exists():
                 shutil.copy2(src / name, out / name)
-        for export in sorted(src.glob("export-*")):
-            shutil.copytree(export, out / export.name, dirs_exist_ok=True)
-        if (src / "target").exists():  # a jointly trained target's changes ride along (`load_target` applies them)
-            shutil.copytree(src / "target", out / "target", dirs_exist_ok=True)
-    exports = {}
-    for export in sorted(out.glob("export-*")):
-        readme = export / "README.md"
-        exports[export.name] = readme.read_text() if readme.exists() else "(no README in this export)"
+        if (src / TARGET_DIR).exists():  # a jointly trained target's changes ride along (`load_target` applies them)
+            shutil.copytree(src / TARGET_DIR, out / TARGET_DIR, dirs_exist_ok=True)
+    exports = write_engine_folders(drafter, out, _stored_dtype(src / WEIGHTS_NAME))
     board = Path(leaderboard) if leaderboard is not None else None
     measured = Path(report) if report is not None else None
     (out / "README.md").write_text(model_card(out, info, exports, board, measured))
@@ -225,9 +304,15 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--leaderboard", type=Path, help="a leaderboard.json whose rows make the card's table")
     ap.add_argument("--report", type=Path, help="a report.json for the card's table (default: the checkpoint's)")
     ap.add_argument("--push-to", help="hub repo id to upload to (needs a token and a network)")
+    ap.add_argument("--target", help="the target to load the drafter on (default: the one its checkpoint names)")
     args = ap.parse_args(argv)
+    target = None
+    if args.target:
+        info = read_checkpoint(args.checkpoint)[1]
+        cfg = TargetConfig(args.target, dtype="float32", device="cpu", aux_layer_ids=info.aux_layer_ids or None)
+        target = load_target(args.checkpoint, cfg)
     out = publish(args.checkpoint, args.out or args.checkpoint.with_name(args.checkpoint.name + "-published"),
-                  args.leaderboard, args.report)  # fmt: skip
+                  args.leaderboard, args.report, target)  # fmt: skip
     print(f"published {args.checkpoint} into {out} (model card: {out / 'README.md'})")
     if args.push_to:
         push(out, args.push_to)

@@ -30,6 +30,7 @@ from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
 from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
 from models.eagle3 import Eagle3Drafter, FusedStep
+from models.export import eagle3_engine_exports
 from models.target import TargetModel
 from models.timing import best_of
 
@@ -273,5 +274,9 @@ def step_timings(drafter: Eagle3Drafter, target: TargetModel, context_len: int, 
 
 
 FAMILY = DrafterFamily(
-    Eagle3Drafter, lambda drafter: Eagle3Proposer.signal, report_proposers, step_timings=step_timings
+    Eagle3Drafter,
+    lambda drafter: Eagle3Proposer.signal,
+    report_proposers,
+    step_timings=step_timings,
+    engine_exports=eagle3_engine_exports,
 )

@@ -12,9 +12,11 @@ module, beside its proposer (``FAMILY = DrafterFamily(...)``):
   family (a chain, a tree, ...; `ProposerSetting`), from the report settings (the generic `ReportSettings`, and
   the family's own) and ``size``, which picks a chain's length on the machine that measures (`ChainSizer`);
 - ``report_options`` (optional): a dataclass of the report settings only this family reads, e.g. MTP's tree width;
-  ``eval.report.ReportConfig`` takes its fields (a recipe sets them under ``report:``) and runs its checks.
+  ``eval.report.ReportConfig`` takes its fields (a recipe sets them under ``report:``) and runs its checks;
 - ``step_timings`` (optional): the family's draft step timed by code path, which the cost curve prints beside the
-  verify curve.
+  verify curve;
+- ``engine_exports(drafter)`` (optional): the serving engines' folders of one drafter, each written or refused with
+  the reason (`models.export.EngineExport`); ``drafters publish`` writes them all from the checkpoint.
 
 This module holds the types only and imports no family; the one list of the shipped families is
 `infer.families.FAMILIES`, above the family modules. Nothing registers itself on import.
@@ -32,6 +34,7 @@ import torch
 from infer.generate import SpecConfig
 from infer.proposer import Proposer, TargetSignal
 from infer.tree_search import DynamicTreeConfig
+from models.export import EngineExport
 from models.target import TargetModel
 
 ChainSizer = Callable[[Callable[[int], Proposer], int], int]
@@ -71,6 +74,11 @@ class ProposerSetting:
     """Accept-rule settings (None: the lossless default), e.g. Medusa's typical acceptance."""
 
 
+def no_engine_exports(drafter: Any) -> list[EngineExport]:
+    """A family that serves in drafters' own runtime only (a toy, one being developed) has no engine folder."""
+    return []
+
+
 class Drafter(Protocol):
     """What shared code needs of a family's drafter class (an ``nn.Module``)."""
 
@@ -102,6 +110,9 @@ class DrafterFamily:
     """(drafter, target, cached context tokens, repetitions) → seconds of one draft step by code path (e.g. the
     module against a fused step), for ``python -m eval.cost_curve --drafter``. None: the cost curve times no draft
     step for the family."""
+    engine_exports: Callable[[Any], list[EngineExport]] = no_engine_exports
+    """drafter → its serving engines' folders, each with its writer or the reason it is refused (`drafters publish`
+    writes every one that is not refused and names the refused ones with their reasons)."""
 
     @property
     def method(self) -> str:

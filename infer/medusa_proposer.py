@@ -22,6 +22,7 @@ from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
 from infer.tree import DraftTree, chain, paths_to_parents
+from models.export import medusa_engine_exports
 from models.medusa import MedusaDrafter
 
 
@@ -122,4 +123,10 @@ def report_proposers(drafter: MedusaDrafter, settings: MedusaReportSettings, siz
     return out
 
 
-FAMILY = DrafterFamily(MedusaDrafter, lambda drafter: MedusaProposer.signal, report_proposers, MedusaReportOptions)
+FAMILY = DrafterFamily(
+    MedusaDrafter,
+    lambda drafter: MedusaProposer.signal,
+    report_proposers,
+    MedusaReportOptions,
+    engine_exports=medusa_engine_exports,
+)

@@ -33,6 +33,7 @@ from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
+from models.export import mtp_engine_exports
 from models.mtp import MTPDrafter
 
 
@@ -225,4 +226,4 @@ def report_proposers(drafter: MTPDrafter, settings: MTPReportSettings, size: Cha
     return out
 
 
-FAMILY = DrafterFamily(MTPDrafter, input_signal, report_proposers, MTPReportOptions)
+FAMILY = DrafterFamily(MTPDrafter, input_signal, report_proposers, MTPReportOptions, engine_exports=mtp_engine_exports)

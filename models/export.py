@@ -68,6 +68,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -154,6 +155,27 @@ def _write(
 def _refuse(reason: str | None) -> None:
     if reason is not None:
         raise ValueError(reason)
+
+
+class EngineExport(NamedTuple):
+    """One engine folder of a trained drafter: written, or refused with the reason. A tuple so that a caller may
+    unpack it (``for folder, write, what in ...``) as training does."""
+
+    folder: str
+    """The folder's name inside a checkpoint or a published folder, e.g. "export-sglang"."""
+    write: Callable[[Path], Path] | None
+    """Writes the folder at the path given and returns it; None when the layout refuses this drafter."""
+    what: str
+    """What the folder holds (written) or why there is none (refused), in words for a log or a model card."""
+
+
+def _refusal_of(build: Callable[[], object]) -> str | None:
+    """The reason a layout refuses a drafter: every builder here raises ValueError with it, or returns."""
+    try:
+        build()
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 # ------------------------------------------------------------------------------------ SGLang / vLLM
@@ -253,6 +275,29 @@ def speculators_state_dict(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
         ("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v
         for k, v in sglang_state_dict(drafter).items()
     }
+
+
+def eagle3_engine_exports(drafter: Eagle3Drafter) -> list[EngineExport]:
+    """The EAGLE-3 engine folders of a trained drafter: SGLang / vLLM and speculators (one refusal covers both: they
+    hold the same tensors and the same aux-layer ids)."""
+    why = _refusal_of(lambda: (sglang_config(drafter), sglang_state_dict(drafter)))
+    if why is not None:
+        return [EngineExport("export-sglang", None, why), EngineExport("export-speculators", None, why)]
+    ids = _aux_after_layer_ids(drafter)
+    return [
+        EngineExport(
+            "export-sglang",
+            lambda out: save_sglang(drafter, out),
+            f"SGLang / vLLM `LlamaForCausalLMEagle3`: the drafter's layer, fc, norm, head, d2t and t2d; taps after "
+            f"layers {ids} (SGLang's eagle_config) = before layers {_aux_before_layer_ids(drafter)} (vLLM's top level)",
+        ),
+        EngineExport(
+            "export-speculators",
+            lambda out: save_speculators(drafter, out),
+            "speculators `Eagle3Speculator` (vLLM converts it itself): the same tensors with the layer under "
+            f"`layers.0.`, taps before layers {_aux_before_layer_ids(drafter)}",
+        ),
+    ]
 
 
 def save_speculators(
@@ -428,6 +473,21 @@ def save_medusa_original(
     config = medusa_original_config(drafter, base_model_name_or_path)
     readme = _medusa_original_readme(drafter, config["base_model_name_or_path"])
     return _write(out_dir, config, medusa_original_state_dict(drafter), "medusa_lm_head.pt", readme)
+
+
+def medusa_engine_exports(drafter: MedusaDrafter) -> list[EngineExport]:
+    """The Medusa engine folders of a trained drafter: vLLM always, the original layout where FasterDecoding builds
+    the heads as trained (`medusa_original_refusal`)."""
+    cfg = drafter.config
+    heads = f"{cfg.num_heads} heads x {cfg.num_layers} ResBlock(s), one lm_head per head"
+    exports = [EngineExport("export-vllm", lambda out: save_medusa_vllm(drafter, out), f"vLLM `medusa`: {heads}")]
+    why = medusa_original_refusal(drafter)
+    if why is None:
+        write = lambda out: save_medusa_original(drafter, out)  # noqa: E731
+        exports.append(EngineExport("export-medusa", write, f"FasterDecoding / TensorRT-LLM original layout: {heads}"))
+    else:
+        exports.append(EngineExport("export-medusa", None, why))
+    return exports
 
 
 # ------------------------------------------------------------------------------------------------ MTP
@@ -758,9 +818,9 @@ def save_mtp_qwen3_next(drafter: MTPDrafter, out_dir: str | Path, module: int | 
 
 
 # --- what training writes ---------------------------------------------------------------------------------
-def mtp_engine_exports(drafter: MTPDrafter) -> list[tuple[str, Callable[[Path], Path] | None, str]]:
-    """Each MTP engine folder for a trained drafter: (folder name, writer of that folder or None when refused, what
-    the folder holds or why there is none). Both layouts hold one module where a drafter has D > 1: SGLang's DeepSeek
+def mtp_engine_exports(drafter: MTPDrafter) -> list[EngineExport]:
+    """Each MTP engine folder for a trained drafter (`EngineExport`: folder name, writer of that folder or None when
+    refused, what the folder holds or why there is none). Both layouts hold one module where a drafter has D > 1: SGLang's DeepSeek
     NextN loader asserts one, and Qwen3-Next's MTP layer is one; the engines then run that module for every draft
     step. The first module is written, the one trained on the target's own hidden state (module k > 0 reads module
     k - 1's output). ``save_mtp_deepseek(drafter, out, num_modules=D)`` writes all D for vLLM alone."""
@@ -776,13 +836,15 @@ def mtp_engine_exports(drafter: MTPDrafter) -> list[tuple[str, Callable[[Path], 
     deepseek_modules = None if D == 1 else 1
     why = mtp_deepseek_refusal(drafter, deepseek_modules)
     if why is None:
-        exports.append(("export-deepseek", lambda out: save_mtp_deepseek(drafter, out, deepseek_modules), held))
+        write = lambda out: save_mtp_deepseek(drafter, out, deepseek_modules)  # noqa: E731
+        exports.append(EngineExport("export-deepseek", write, f"DeepSeek-V3 MTP layout: {held}"))
     else:
-        exports.append(("export-deepseek", None, why))
+        exports.append(EngineExport("export-deepseek", None, why))
     qwen_module = None if D == 1 else 0
     why = mtp_qwen3_next_refusal(drafter, qwen_module)
     if why is None:
-        exports.append(("export-qwen3-next", lambda out: save_mtp_qwen3_next(drafter, out, qwen_module), held))
+        write = lambda out: save_mtp_qwen3_next(drafter, out, qwen_module)  # noqa: E731
+        exports.append(EngineExport("export-qwen3-next", write, f"Qwen3-Next MTP layout: {held}"))
     else:
-        exports.append(("export-qwen3-next", None, why))
+        exports.append(EngineExport("export-qwen3-next", None, why))
     return exports

@@ -1,14 +1,15 @@
-"""Ship a trained drafter into the repository: bf16 weights, its engine export, and a model card.
+"""Ship a trained drafter into the repository: bf16 weights, every engine folder of its family, and a model card.
 
     python scripts/ship_drafter.py --checkpoint outputs/smollm2-eagle3 --out models/smollm2_eagle3 \
-        --recipe recipes/smollm2-135m/eagle3.yaml [--note "how it was made, beyond the recipe"]
+        --recipe recipes/smollm2-135m/eagle3.yaml [--note "how it was made, beyond the recipe"] \
+        [--leaderboard docs/leaderboard/leaderboard.json]
 
 Floating-point tensors are cast to bf16 (half the size; the drafter computes in the target's dtype after loading,
-`from_pretrained` casts back); d2t / t2d stay integer / bool. The checkpoint's own config.json (with its ``drafters``
-block) is copied unchanged, and so is the SGLang / vLLM export with its tensors cast the same way (its weights file is
-a link to ours when the bytes are the same, as they are for EAGLE-3). The model card
-takes its numbers from the checkpoint's ``train_log.jsonl`` and ``recipe.yaml``; nothing in it is typed by hand
-except ``--note``.
+`from_pretrained` casts back); integer and bool tensors stay as they are. The checkpoint's own config.json (with its
+``drafters`` block), recipe and training log are copied unchanged. ``NOTES.md`` says how the run went, from the
+training log and ``--note``; then `eval.publish.publish` writes the engine folders from the bf16 weights (a weights
+file equal to ours is a link to it) and the model card (README.md), which quotes NOTES.md. Nothing in either is typed
+by hand except ``--note``.
 """
 
 from __future__ import annotations
@@ -29,62 +30,54 @@ def cast_file(src: Path, dst: Path) -> int:
     return dst.stat().st_size
 
 
-def model_card(ckpt: Path, recipe: str, note: str, size: int) -> str:
+def notes(ckpt: Path, recipe: str, note: str, size: int) -> str:
+    """NOTES.md: the drafter, the command that made it and what its training log says, in the family's own words
+    (its ``drafters`` block names the method; the entry script is ``train/<method>.py``)."""
     config = json.loads((ckpt / "config.json").read_text())
-    log = [json.loads(line) for line in (ckpt / "train_log.jsonl").read_text().splitlines()]
-    steps = [r for r in log if "step" in r]
-    evals = [r for r in steps if "eval/acc" in r]
-    last = steps[-1]
-    info = config["drafters"]
+    log = [json.loads(line) for line in (ckpt / "train_log.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in log if "step" in r and "loss" in r]
+    evals = [r for r in log if "eval/acc" in r]
+    last, info = steps[-1], config["drafters"]
     lines = [
-        f"# EAGLE-3 drafter for {info['target_name']}",
+        f"# {info['method']} drafter for {info['target_name']}",
         "",
         f"- Target: `{info['target_name']}` (vocab {info['target_vocab_size']:,}, {info['target_num_layers']} layers, "
-        f"tokenizer fingerprint `{info['tokenizer_fingerprint']}`), aux layers {info['aux_layer_ids']} "
+        f"tokenizer fingerprint `{info['tokenizer_fingerprint']}`), taps {info['aux_layer_ids'] or 'none'} "
         f"({info['aux_layer_convention']}).",
-        f"- Drafter: one decoder layer of width {config['hidden_size']}, draft vocabulary {config['draft_vocab_size']:,}; "
-        f"weights in bf16 ({size / 2**20:.1f} MiB). `export-sglang/` is the SGLang / vLLM `LlamaForCausalLMEagle3` "
-        "export of the same weights.",
-        f"- Made by `python train/eagle3.py --config {recipe}` (the recipe in `recipe.yaml` here is the exact one "
-        f"used): {last['step']} optimizer steps; last logged training loss {last['loss']:.3f}, top-1 accuracy per "
-        f"TTT step {last['acc']}.",
+        f"- Drafter: `{config['architectures'][0]}`, weights in bf16 ({size / 2**20:.1f} MiB).",
+        f"- Made by `python train/{info['method']}.py --config {recipe}` (the recipe in `recipe.yaml` here is the exact "
+        f"one used): {last['step']} optimizer steps; last logged training loss {last['loss']:.3f}"
+        + (f", top-1 accuracy per draft depth {last['acc']}." if "acc" in last else "."),
     ]
     if evals:
         e = evals[-1]
+        tau = f", simulated τ {e['eval/simulated_tau']:.2f}" if "eval/simulated_tau" in e else ""
         lines.append(
-            f"- Held-out (teacher-forced) top-1 accuracy per TTT step at step {e['step']}: "
-            f"{[round(a, 3) for a in e['eval/acc']]}, simulated τ {e['eval/simulated_tau']:.2f}."
+            f"- Held-out (teacher-forced) top-1 accuracy per draft depth at step {e['step']}: "
+            f"{[round(a, 3) for a in e['eval/acc']]}{tau}."
         )
     if note:
         lines.append(f"- {note}")
-    lines += ["", "Measured τ and speedup: `report.md` here (the shipped report, with its prompt set and machine)."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
+    from eval.publish import publish
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--recipe", required=True, help="the recipe that made it (named in the model card)")
+    ap.add_argument("--recipe", required=True, help="the recipe that made it (named in the notes)")
     ap.add_argument("--note", default="", help="one line on how it was made beyond the recipe (resumed runs, stages)")
+    ap.add_argument("--leaderboard", type=Path, help="a leaderboard.json whose rows make the card's table")
     args = ap.parse_args(argv)
     ckpt, out = args.checkpoint, args.out
     out.mkdir(parents=True, exist_ok=True)
     size = cast_file(ckpt / "model.safetensors", out / "model.safetensors")
-    shutil.copy(ckpt / "config.json", out / "config.json")
-    shutil.copy(ckpt / "recipe.yaml", out / "recipe.yaml")
-    shutil.copy(ckpt / "train_log.jsonl", out / "train_log.jsonl")
-    if (ckpt / "export-sglang").exists():
-        exported = out / "export-sglang" / "model.safetensors"
-        cast_file(ckpt / "export-sglang" / "model.safetensors", exported)
-        # the SGLang / vLLM keys are our own (models/export.py): the same bytes, so the repository keeps one copy
-        if exported.read_bytes() == (out / "model.safetensors").read_bytes():
-            exported.unlink()
-            exported.symlink_to(Path("..") / "model.safetensors")
-        config = json.loads((ckpt / "export-sglang" / "config.json").read_text())
-        config["torch_dtype"] = "bfloat16"
-        (out / "export-sglang" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "README.md").write_text(model_card(ckpt, args.recipe, args.note, size))
+    for name in ("config.json", "recipe.yaml", "train_log.jsonl"):
+        shutil.copy(ckpt / name, out / name)
+    (out / "NOTES.md").write_text(notes(ckpt, args.recipe, args.note, size))
+    publish(out, out, leaderboard=args.leaderboard)  # the engine folders from the bf16 weights, and the card
     print(f"shipped {ckpt} → {out} ({size / 2**20:.1f} MiB of weights)")
 
 

@@ -389,7 +389,7 @@ def test_training_writes_the_one_module_folders_of_a_multi_module_drafter(deepse
     assert torch.equal(state["mtp.fc.weight"], two.layers[0].eh_proj.weight)
 
     one = mtp_engine_exports(MTPDrafter.from_target(deepseek))  # D = 1: the module itself
-    assert one[0][1] is not None and one[0][2] == "the drafter's one module"
+    assert one[0][1] is not None and one[0].what == "DeepSeek-V3 MTP layout: the drafter's one module"
     assert [w for _, w, _ in mtp_engine_exports(MTPDrafter.from_target(tiny_target))] == [None, None]  # Llama
 
 

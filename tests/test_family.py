@@ -265,7 +265,6 @@ NOT_YET = {
     "scripts/cli.py": "the quick start trains and measures EAGLE-3",
     "scripts/data_scaling.py": "the data-scaling curve of EAGLE-3 snapshots",
     "scripts/estimate.py": "an if-chain over the recipe sections of the three families",
-    "scripts/ship_drafter.py": "the card of the shipped EAGLE-3 drafter",
 }
 """Shared modules that still name a family, and where; each leaves this list when its family code moves into the
 family's own module (the test fails for an entry that no longer names one, so the list only shrinks)."""

@@ -105,8 +105,8 @@ def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, mo
     md = (out / "leaderboard.md").read_text()
     assert "## T = 0, batch size 1" in md and "## T = 1, batch size 1" in md
     assert "| method | math | writing | mean τ | overall | lossless evidence |" in md
-    # eval.measure.evidence_words, in the dtype the precision policy served the tiny target in
-    assert re.search(r"\| (bf16|fp32) 1\.00", md) and "lossless rule (rejection sampling)" in md
+    # eval.leaderboard.evidence, in the dtype the precision policy served the tiny target in
+    assert re.search(r"\| greedy identical 100 % in (bf16|fp32)", md) and "lossless rule (rejection sampling)" in md
     assert "`missing__T0__bs1`: failed" in md
     assert "## Speedup against batch size" in md and "| method | bs 1 | bs 2 | lossless evidence |" in md
     assert re.search(r"\| \*noise: vanilla's own spread over the repeats\* \| — \| ±\d+% \|", md)
@@ -137,7 +137,9 @@ def test_the_readme_block_is_generated_from_the_leaderboard_json(tmp_path):
     update_readme(board, readme)
     text = readme.read_text()
     assert "old" not in text and text.endswith(f"{README_END}\n\nmore\n")
-    assert "| eagle3 (chain 3) | 1.25x | 2.00 | fp32 1.00 |" in text and readme_table(board) in text
+    assert (
+        "| eagle3 (chain 3) | 1.25x | 2.00 | greedy identical 100 % in fp32 |" in text and readme_table(board) in text
+    )
     readme.write_text("no block")
     with pytest.raises(ValueError):
         update_readme(board, readme)
@@ -201,3 +203,91 @@ def test_a_report_setting_added_later_at_its_default_keeps_finished_cells():
     changed = {**now, "report": {**now["report"], "batch_repeats": 3}}
     assert not same_settings(older, changed)  # the new setting away from its default measures something else
     assert not same_settings({**older, "report": {**older["report"], "prompts": 8}}, now)
+
+
+ROW = {"proposer": "eagle3", "setting": "chain 3", "category": "all", "temperature": 0.0, "batch_size": 1,
+       "speedup": 1.25, "tau": 2.0, "new_tokens": 100, "tokens_per_s": 25.0, "vanilla_new_tokens": 100,
+       "vanilla_tokens_per_s": 20.0, "lossy": False, "prompts": 4, "dtype": "bfloat16", "greedy_identical": 0.25,
+       "divergences": [{"explained": True}] * 3, "explained_divergences": 3, "greedy_identical_fp32": 1.0,
+       "fp32_divergences": [], "alpha": [0.5, 0.5], "per_call": [[40, 50, 25]], "cell": "chat__T0__bs1",
+       "source": "builtin:chat", "sweep": False}  # fmt: skip
+
+
+def test_the_evidence_is_one_labelled_entry_per_method_pooled_over_categories():
+    from eval.leaderboard import evidence, tables
+
+    code = ROW | {"cell": "code__T0__bs1", "source": "builtin:code", "greedy_identical": 0.75,
+                  "divergences": [{"explained": True}], "explained_divergences": 1}  # fmt: skip
+    board = {"results": [ROW, code], "cells": []}
+    ((_, _, cats, (entry,)),) = tables(board)
+    assert cats == ["chat", "code"]  # each cell's "all" row named by its category
+    assert entry["evidence"] == "greedy identical 50 % in bf16, all 4 divergences within bf16 rounding; fp32 100 %"
+    bad = code | {"explained_divergences": 0, "greedy_identical_fp32": None}
+    assert evidence([bad]) == (
+        "greedy identical 75 % in bf16, 1 of 1 divergence NOT explained by bf16 rounding; fp32 replay not run"
+    )
+    assert evidence([ROW | {"temperature": 1.0, "greedy_identical": None}]) == "lossless rule (rejection sampling)"
+    assert evidence([ROW | {"lossy": True}]).startswith("lossy")
+
+
+def test_plots_without_a_sweep_have_no_batch_plot_and_counted_acceptance_is_unconditional(tmp_path):
+    from eval.leaderboard import _plot_acceptance, write_markdown, write_plots
+
+    stale = tmp_path / "speedup_by_batch.png"
+    stale.write_bytes(b"old")
+    board = {
+        "target": "t",
+        "machine": "m",
+        "created": "now",
+        "results": [ROW],
+        "cells": [{"cell": "chat__T0__bs1", "status": "done"}],
+    }
+    names = sorted(p.name for p in write_plots(board, tmp_path))
+    assert names == ["acceptance_by_position.png", "speedup_by_category.png", "tau_by_prompt_length.png"]
+    assert not stale.exists()  # batch 1 alone is no sweep
+    write_markdown(board, tmp_path / "leaderboard.md")
+    assert "speedup_by_batch" not in (tmp_path / "leaderboard.md").read_text()
+
+    import matplotlib.pyplot as plt
+
+    saved = []
+    real_savefig = plt.Figure.savefig
+    plt.Figure.savefig = lambda fig, path, **kw: saved.append(fig) or real_savefig(fig, path, **kw)
+    try:  # 10 verify steps, 4 accepted a first draft and 2 a second: 0.4 and 0.2 whatever α says
+        counted = ROW | {"verify_steps": 10, "accepted_at_depth": [4, 2], "attempted_at_depth": [8, 4]}
+        _plot_acceptance([counted], "head", tmp_path / "a.png")
+        _plot_acceptance([ROW], "head", tmp_path / "b.png")
+    finally:
+        plt.Figure.savefig = real_savefig
+    (line,) = saved[0].axes[0].get_lines()
+    assert list(line.get_ydata()) == [0.4, 0.2] and "unconditional" in saved[0]._suptitle.get_text()
+    (line,) = saved[1].axes[0].get_lines()
+    assert list(line.get_ydata()) == [0.5, 0.5] and "conditional: α_k counts only" in saved[1]._suptitle.get_text()
+
+
+def test_the_quick_start_table_says_its_evidence_in_words(capsys):
+    from scripts.cli import print_closing_table
+
+    row = ROW | {"proposer": "eagle3 (shipped)", "vanilla_dtype": "bfloat16"}
+    print_closing_table([row])
+    out = capsys.readouterr().out
+    assert "lossless evidence" in out
+    assert "greedy identical 25 % in bf16, all 3 divergences within bf16 rounding; fp32 100 %" in out
+    assert " 0.25\n" not in out  # the bare share a newcomer read as "lossy"
+
+
+def test_a_sweep_is_plotted_with_its_values_and_vanilla_s_spread(tmp_path):
+    from eval.leaderboard import write_markdown, write_plots
+
+    swept = [
+        ROW
+        | {"cell": "chat__T0__sweep_bs1-4", "sweep": True, "batch_size": b, "speedup": s, "vanilla_repeat_spread": v}
+        for b, s, v in ((1, 1.2, None), (4, 0.95, 0.1))
+    ]
+    cells = [{"cell": "chat__T0__bs1", "status": "done"},
+             {"cell": "chat__T0__sweep_bs1-4", "status": "done", "sweep": [1, 4], "source": "builtin:chat"}]  # fmt: skip
+    board = {"target": "t", "machine": "m", "created": "now", "results": [ROW, *swept], "cells": cells}
+    assert (tmp_path / "speedup_by_batch.png") in write_plots(board, tmp_path)
+    write_markdown(board, tmp_path / "leaderboard.md")
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "`speedup_by_batch.png`" in md and "| eagle3 (chain 3) | 1.20x | 0.95x |" in md and "±5%" in md

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from infer.certificate import Certifier
 from infer.generate import (
@@ -388,6 +389,9 @@ def measure(
 
     rows: list[dict] = []
     cats = sorted({p.category for p in prompts})
+    # progress within the run, with time left: one step is one batch decoded by vanilla and every method in turn
+    steps = len(temperatures) * sum(len(batches_of(prompts, bs)) * reps[bs] for bs in batch_sizes)
+    bar = tqdm(total=steps, desc="measure: batches (vanilla + every method)", unit="batch")
     for temp in temperatures:
         for bs in batch_sizes:
             batches = batches_of(prompts, bs)
@@ -429,6 +433,8 @@ def measure(
                     prompt_tokens = sum(map(len, ids)) / len(ids)
                     tokens = sum(map(len, res.tokens))
                     acc[c.key].add(cat, tokens, res.stats.total_s, res.stats, same, compared, div, prompt_tokens)
+                bar.set_postfix_str(f"T {temp:g}, batch size {bs}, {cat}", refresh=False)
+                bar.update()
             for cat in ["all", *cats] if len(cats) > 1 else ["all"]:
                 v, h = van.merged(cat), hf.merged(cat)
                 vanilla_tps = v["tokens"] / v["s"]
@@ -512,12 +518,16 @@ def measure(
                         )
                         row["tau"] = merged.tau
                         row["alpha"] = alpha_of(m["stats"])
+                        row["accepted_at_depth"], row["attempted_at_depth"] = depth_tallies(m["stats"])
+                        # every target forward of a row, drafted or not: the unconditional acceptance's denominator
+                        row["verify_steps"] = merged.row_forwards
                         row["predicted_speedup"] = merged.predicted_speedup(baseline_step)
                         row["step_ms"] = {k: 1e3 * x for k, x in merged.step_costs().items()} | {
                             "vanilla": 1e3 * baseline_step
                         }
                     rows.append(row)
                     _log_row(log, row)
+    bar.close()
     return rows
 
 

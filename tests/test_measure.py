@@ -1,6 +1,8 @@
 """The one timing loop (eval/measure.py): stops at EOS, counts, the greedy certificate, clear errors; the CLI's
 checkout warning (the precision choice: tests/test_precision.py)."""
 
+from itertools import zip_longest
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from eval.measure import Candidate, MeasuredPrompt, hf_generate, measure, write_
 from infer.generate import generate_vanilla
 from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
+from models.acceptance import acceptance_rates
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 3, 17, 23]]
 
@@ -67,6 +70,10 @@ def test_rows_per_category_and_the_greedy_certificate(tiny_target, tiny_draft, m
     (d,) = a["divergences"]
     assert d["position"] == 3 and d["top2_gap"] > 1e-3
     assert b["divergences"] == [] and not total["lossy"]
+    # the counts behind α, pooled over categories: the leaderboard's unconditional acceptance reads them
+    assert acceptance_rates(total["accepted_at_depth"], total["attempted_at_depth"]) == total["alpha"]
+    assert total["verify_steps"] == a["verify_steps"] + b["verify_steps"] >= total["attempted_at_depth"][0] > 0
+    assert total["accepted_at_depth"] == [x + y for x, y in zip_longest(a["accepted_at_depth"], b["accepted_at_depth"], fillvalue=0)]
 
 
 def test_vanilla_in_its_fastest_dtype_is_the_baseline_when_serving_in_another(tiny_target, tmp_path):

@@ -70,6 +70,7 @@ def draw(rows: list[dict], out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     curve = sorted((r for r in rows if r.get("tokens")), key=lambda r: r["tokens"])
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -89,6 +90,11 @@ def draw(rows: list[dict], out: Path) -> None:
         right.annotate(f"{r['served']['tau']:.2f}", (xi, r["served"]["tau"]), fontsize=8, va="bottom")
     right.set(xscale="log", xlabel="training tokens read (M)", ylabel="τ (tokens per verify, bonus included)")
     right.set_title("served τ, greedy chain, unseen prompt file")
+    for ax in (left, right):  # plain numbers at a few sizes: the default log labels overlap on a one-decade axis
+        ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([0.1, 0.2, 0.5, 1, 2, 5, 10]))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "curve.png", dpi=120)
 

@@ -230,7 +230,9 @@ def test_the_run_is_set_against_the_machines_limit_for_the_same_work(tokenizers,
     lines = []
     counts = answer(target, tok, _jobs(), AnswerConfig(max_new_tokens=4, batch_size=2), tmp_path / "c", log=lines.append)
     assert counts["prompt_tokens"] > counts["answers"] * 5  # each of the 10 turns' prompts, prefilled whole
-    assert counts["ratio_to_limit"] == pytest.approx(counts["tokens_per_s"] / counts["limit_tokens_per_s"], rel=0.02)
+    # the ratio is printed to 3 decimals: on a slow (loaded) host it is small and the rounding is its error
+    ratio = counts["tokens_per_s"] / counts["limit_tokens_per_s"]
+    assert counts["ratio_to_limit"] == pytest.approx(ratio, rel=0.02, abs=5e-4)
     assert any("answer tokens/s against this machine's limit" in line for line in lines)
     config = tiny_target.config
     head = 2 * 32 * config.vocab_size

@@ -38,11 +38,11 @@ import jinja2
 import torch
 from tqdm.auto import tqdm
 
-from eval.dtype_curves import gemm_gflops
 from eval.measure import prepare_target, stop_ids  # prepare_target: the entry points below
 from infer.generate import decode_continuous
 from infer.sampling import SamplingParams
 from models.target import TargetModel
+from models.timing import gemm_gflops, gemm_seconds
 from train.data.chat_render import end_of_turn_token_ids, render
 
 
@@ -333,7 +333,7 @@ def decode_flops_per_token(config, context: int) -> float:
 @functools.lru_cache(maxsize=4)
 def _gemm_rate(dtype: torch.dtype) -> float:
     """FLOP/s of a 1024² GEMM in ``dtype``: what the cores sustain on the easiest dense work (once per process)."""
-    return gemm_gflops(dtype, 1024, reps=3) * 1e9
+    return gemm_gflops(gemm_seconds(dtype, 1024, reps=3).median, 1024) * 1e9
 
 
 def machine_limit(target: TargetModel, counts: dict) -> dict:

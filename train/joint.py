@@ -110,6 +110,13 @@ class JointRun:
     pad_id: int
 
 
+def joint_words(mode: str, target: TargetModel) -> str:
+    """The training log's words for a target that trains with its drafter (empty when it stays frozen)."""
+    if mode != "joint":
+        return ""
+    return f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
+
+
 def trained_modules(
     accelerator: Accelerator,
     target: TargetModel,

@@ -44,7 +44,7 @@ from train.config import TrainConfig  # noqa: E402
 from train.data.dataset import DataConfig  # noqa: E402
 from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.features import final_hidden  # noqa: E402
-from train.joint import JointConfig, save_target_changes, served, trained_modules  # noqa: E402
+from train.joint import JointConfig, joint_words, save_target_changes, served, trained_modules  # noqa: E402
 from train.loop import feature_source, load_target_and_data, start_training  # noqa: E402
 from train.losses import position_targets, rank_hits  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
@@ -149,11 +149,7 @@ def build_heads(cfg: MedusaRecipeConfig, target, tokenizer, log) -> MedusaDrafte
     else:
         heads = MedusaDrafter.from_target(target, hc.num_heads, hc.num_layers, hc.shared_head, tokenizer)
     trainable = sum(p.numel() for p in heads.parameters() if p.requires_grad)
-    joint = (
-        f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
-        if cfg.target.mode == "joint"
-        else ""
-    )
+    joint = joint_words(cfg.target.mode, target)
     log(
         f"heads: {hc.num_heads} x {hc.num_layers} ResBlock, {'shared' if hc.shared_head else 'per-head'} lm_head, "
         f"{trainable / 1e6:.1f} M trainable parameters{joint}"

@@ -47,7 +47,7 @@ from train.config import TrainConfig  # noqa: E402
 from train.data.dataset import DataConfig, collate  # noqa: E402
 from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.features import attention_masks, target_forward  # noqa: E402
-from train.joint import JointConfig, save_target_changes, served, trained_modules  # noqa: E402
+from train.joint import JointConfig, joint_words, save_target_changes, served, trained_modules  # noqa: E402
 from train.loop import load_target_and_data, start_training  # noqa: E402
 from train.losses import position_targets, rank_hits  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
@@ -188,11 +188,7 @@ def build_modules(cfg: MTPRecipeConfig, target: TargetModel, tokenizer, log) -> 
         drafter = MTPDrafter.from_target(target, mc.num_modules, tokenizer, mc.block_init, mc.input_signal)
     drafter.train()
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    joint = (
-        f"; joint with the target ({'LoRA r' + str(target.lora_rank) if target.lora_rank else 'full'})"
-        if cfg.target.mode == "joint"
-        else ""
-    )
+    joint = joint_words(cfg.target.mode, target)
     log(
         f"modules: {mc.num_modules} x {drafter.config.block_class} ({mc.block_init}), h^0 = the target's "
         f"{input_signal(drafter)}, {trainable / 1e6:.1f} M trainable parameters, λ {mc.weights_at(0)}{joint}"

@@ -4,8 +4,9 @@
     drafters leaderboard drafters=[a,b] prompts_paths=[question.jsonl] temperatures=[0.0] batch_sizes=[1,4]
     python -m eval.leaderboard --config my_board.yaml out=outputs/board budget_min=60
 
-A *cell* is one prompt source (a Spec-Bench-format file, or one built-in category) at one temperature and one batch
-size. Each cell is one run of the shared report (`eval.report.run_report`, so `eval.measure`'s interleaved timing,
+A *cell* is one prompt source (a Spec-Bench-format file, or the built-in categories together) at one batch size, all
+temperatures in one run (the sizing, the precision choice and the warm-up are paid once, and the rows still carry
+their temperature and category). Each cell is one run of the shared report (`eval.report.run_report`, so `eval.measure`'s interleaved timing,
 the cost-curve sizing, the lossless certificate and the report schema): every method is interleaved with vanilla
 prompt by prompt, beside prompt lookup, the small draft model, the hybrid proposer and HF's assisted generation
 (prompt lookup and assistant model, the outside peer). A finished cell keeps its ``report.json`` under
@@ -49,8 +50,9 @@ class LeaderboardConfig:
     """Built-in categories (eval/prompts.py), one cell each per T and batch size; [] for files only."""
     prompts: int | None = 4
     """Prompts per built-in category, and the first N rows of each file (None: files whole, categories 16)."""
-    temperatures: list[float] = field(default_factory=lambda: [0.0])
-    """[0.0, 1.0] adds T = 1 cells (lossless rejection sampling), ~20 min each on this project's 2-core CPU."""
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    """Temperatures measured in every ordinary cell: T = 0 (greedy, with the token-identity check) and T = 1 (lossless
+    rejection sampling, whose claim is the accept rule's); [0.0] halves a cell's timing loop."""
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     batch_sweep: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
     """Batch sizes of the batch-aware sweep, one more cell ([] leaves it out): at T = 0 on ``sweep_category``,
@@ -87,28 +89,37 @@ class LeaderboardConfig:
 @dataclass(frozen=True)
 class Cell:
     source: str
-    """A prompt file's path, or ``builtin:<category>``."""
-    temperature: float
+    """A prompt file's path, or ``builtin:<category>[,<category>...]``."""
+    temperatures: tuple[float, ...]
     batch_size: int
     sweep: tuple[int, ...] = ()
     """The batch-aware sweep's batch sizes (``batch_size`` is then the largest); () for an ordinary cell."""
 
     @property
+    def categories(self) -> list[str]:
+        """The built-in categories of a ``builtin:`` source ([] for a file)."""
+        return self.source.split(":", 1)[1].split(",") if self.source.startswith("builtin:") else []
+
+    @property
     def key(self) -> str:
-        name = Path(self.source).stem if not self.source.startswith("builtin:") else self.source.split(":", 1)[1]
+        name = Path(self.source).stem if not self.categories else "-".join(self.categories)
+        temps = "-".join(f"{t:g}" for t in self.temperatures)
         if self.sweep:
-            return f"{name}__T{self.temperature:g}__sweep_bs{'-'.join(map(str, self.sweep))}"
-        return f"{name}__T{self.temperature:g}__bs{self.batch_size}"
+            return f"{name}__T{temps}__sweep_bs{'-'.join(map(str, self.sweep))}"
+        return f"{name}__T{temps}__bs{self.batch_size}"
 
 
 def cells_of(cfg: LeaderboardConfig) -> list[Cell]:
-    sources = [*cfg.prompts_paths, *(f"builtin:{c}" for c in cfg.categories)]
+    sources = [*cfg.prompts_paths, *([f"builtin:{','.join(cfg.categories)}"] if cfg.categories else [])]
     if not sources:
         raise ValueError("the leaderboard needs prompts_paths or categories")
-    cells = [Cell(s, t, b) for s in sources for t in cfg.temperatures for b in cfg.batch_sizes]
+    if not cfg.temperatures:
+        raise ValueError("the leaderboard needs at least one temperature")
+    temps = tuple(sorted(set(cfg.temperatures)))
+    cells = [Cell(s, temps, b) for s in sources for b in cfg.batch_sizes]
     if cfg.batch_sweep:
         sweep = tuple(sorted(set(cfg.batch_sweep)))
-        cells.append(Cell(f"builtin:{cfg.sweep_category}", 0.0, sweep[-1], sweep))
+        cells.append(Cell(f"builtin:{cfg.sweep_category}", (0.0,), sweep[-1], sweep))
     return cells
 
 
@@ -116,10 +127,10 @@ def report_config(cfg: LeaderboardConfig, cell: Cell):
     """The shared report's settings for one cell."""
     from eval.report import ReportConfig
 
-    by_file = not cell.source.startswith("builtin:")
+    by_file = not cell.categories
     if cell.sweep:
         return ReportConfig(
-            categories=[cell.source.split(":", 1)[1]],
+            categories=cell.categories,
             prompts=cfg.prompts,
             max_new_tokens=cfg.sweep_max_new_tokens,
             temperatures=[0.0],
@@ -134,16 +145,18 @@ def report_config(cfg: LeaderboardConfig, cell: Cell):
         )
     return ReportConfig(
         prompts_path=cell.source if by_file else None,
-        categories=["chat"] if by_file else [cell.source.split(":", 1)[1]],
+        categories=["chat"] if by_file else cell.categories,
         prompts=cfg.prompts,
         max_new_tokens=cfg.max_new_tokens,
-        temperatures=[cell.temperature],
+        temperatures=list(cell.temperatures),
         batch_sizes=[cell.batch_size],
         compare=list(cfg.drafters[1:]),
         draft_model=cfg.draft_model,
         hf_assisted=cfg.hf_assisted and cell.batch_size == 1,
         hybrid_lookup=cfg.hybrid_lookup,
         hybrid_alone_match=cfg.hybrid_alone_match,
+        # the chosen chain's k - 1 and k + 1 check the sizing (a report's job): a board ranks what would be served
+        chain_neighbours=False,
         fp32_certificate=cfg.fp32_certificate,
     )
 
@@ -195,7 +208,7 @@ def run_cells(cfg: LeaderboardConfig, run_cell, log=print, here: dict | None = N
         entry = {
             "cell": cell.key,
             "source": cell.source,
-            "temperature": cell.temperature,
+            "temperatures": list(cell.temperatures),
             "batch_size": cell.batch_size,
             "sweep": list(cell.sweep),
         }

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 import eval.report as report_module
-from eval.leaderboard import Cell, LeaderboardConfig, cells_of, main
+from eval.leaderboard import Cell, LeaderboardConfig, cells_of, main, report_config
 from models.eagle3 import Eagle3Drafter
 from models.target import TargetConfig, TargetModel, load_tokenizer
 from tests.test_data import CHAT_TEMPLATE
@@ -35,17 +35,25 @@ def board_setup(tiny_recipe, tmp_path):
     return tmp_path, questions
 
 
-def test_cells_cover_sources_temperatures_and_batch_sizes():
+def test_cells_cover_sources_and_batch_sizes_with_every_temperature_in_one_run():
     cfg = LeaderboardConfig(
-        prompts_paths=["x/q.jsonl"], categories=["chat"], temperatures=[0.0, 1.0], batch_sizes=[1, 4]
+        prompts_paths=["x/q.jsonl"], categories=["chat", "code"], temperatures=[1.0, 0.0], batch_sizes=[1, 4]
     )
     cells = cells_of(cfg)
-    assert len(cells) == 9 and cells[0] == Cell("x/q.jsonl", 0.0, 1) and cells[-2].key == "chat__T1__bs4"
+    # a file and the built-in categories together, each at both batch sizes; both temperatures in each run
+    assert len(cells) == 5 and cells[0] == Cell("x/q.jsonl", (0.0, 1.0), 1) and cells[0].key == "q__T0-1__bs1"
+    assert cells[3] == Cell("builtin:chat,code", (0.0, 1.0), 4) and cells[3].key == "chat-code__T0-1__bs4"
+    assert cells[3].categories == ["chat", "code"] and cells[0].categories == []
+    board_cfg = report_config(cfg, cells[3])
+    assert board_cfg.categories == ["chat", "code"] and board_cfg.temperatures == [0.0, 1.0]
+    assert not board_cfg.chain_neighbours  # a board ranks what would be served; the sizing check is a report's
     # the batch-aware sweep: one more cell at T = 0 over every sweep batch size
-    assert cells[-1] == Cell("builtin:chat", 0.0, 64, (1, 4, 16, 64)) and cells[-1].key == "chat__T0__sweep_bs1-4-16-64"
+    assert cells[-1] == Cell("builtin:chat", (0.0,), 64, (1, 4, 16, 64)) and cells[-1].key == "chat__T0__sweep_bs1-4-16-64"
     assert len(cells_of(LeaderboardConfig(categories=["chat"], temperatures=[0.0], batch_sweep=[]))) == 1
     with pytest.raises(ValueError):
         cells_of(LeaderboardConfig(categories=[]))
+    with pytest.raises(ValueError):
+        cells_of(LeaderboardConfig(temperatures=[]))
 
 
 def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, monkeypatch):
@@ -73,21 +81,16 @@ def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, mo
     board = main(args)
     status = {c["cell"]: c["status"] for c in board["cells"]}
     assert status == {
-        "questions__T0__bs1": "done",
-        "questions__T1__bs1": "done",
-        "missing__T0__bs1": "failed",
-        "missing__T1__bs1": "failed",
+        "questions__T0-1__bs1": "done",
+        "missing__T0-1__bs1": "failed",
         "chat__T0__sweep_bs1-2": "done",
     }
     methods = {(r["proposer"], r["setting"]) for r in board["results"]}
     assert ("prompt lookup", "chain 10") in methods and ("HF prompt lookup (10)", "HF generate") in methods
     assert any(p == "eagle3 + prompt lookup" for p, _ in methods)  # the hybrid row
     assert any(p.startswith("draft model") for p, _ in methods)
-    assert {r["cell"] for r in board["results"]} == {
-        "questions__T0__bs1",
-        "questions__T1__bs1",
-        "chat__T0__sweep_bs1-2",
-    }
+    assert {r["cell"] for r in board["results"]} == {"questions__T0-1__bs1", "chat__T0__sweep_bs1-2"}
+    assert {r["temperature"] for r in board["results"] if r["cell"] == "questions__T0-1__bs1"} == {0.0, 1.0}
     # the sweep: vanilla's peers at both batch sizes, the batch-aware row among them, nothing but chains
     swept = [r for r in board["results"] if r["sweep"]]
     assert {r["batch_size"] for r in swept} == {1, 2}
@@ -107,7 +110,7 @@ def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, mo
     assert "| method | math | writing | mean τ | overall | lossless evidence |" in md
     # eval.leaderboard.evidence, in the dtype the precision policy served the tiny target in
     assert re.search(r"\| greedy identical 100 % in (bf16|fp32)", md) and "lossless rule (rejection sampling)" in md
-    assert "`missing__T0__bs1`: failed" in md
+    assert "`missing__T0-1__bs1`: failed" in md
     assert "## Speedup against batch size" in md and "| method | bs 1 | bs 2 | lossless evidence |" in md
     assert re.search(r"\| \*noise: vanilla's own spread over the repeats\* \| — \| ±\d+% \|", md)
     assert "## T = 0, batch size 2" not in md  # the sweep's rows have their own table, not the per-category ones
@@ -118,7 +121,7 @@ def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, mo
 
     calls.clear()
     again = main(args)
-    assert {c["cell"]: c["status"] for c in again["cells"]}["questions__T0__bs1"] == "reused"
+    assert {c["cell"]: c["status"] for c in again["cells"]}["questions__T0-1__bs1"] == "reused"
     assert all("missing" in str(folder) for folder in calls)  # finished cells are not measured again
     assert len(again["results"]) == len(board["results"])
 
@@ -165,7 +168,9 @@ def test_a_cell_from_another_kind_of_machine_is_measured_again_unless_reuse_is_a
 
     here = {"device": "cpu", "name": "EPYC", "flags": ["avx2"], "threads": 2, "words": "EPYC (avx2), 2 threads"}
     there = here | {"flags": ["avx2", "avx512_bf16"], "words": "EPYC (avx2, avx512_bf16), 2 threads"}
-    cfg = LeaderboardConfig(categories=["chat", "code"], batch_sweep=[], out=str(tmp_path))
+    cfg = LeaderboardConfig(
+        prompts_paths=["q/chat.jsonl", "q/code.jsonl"], categories=[], temperatures=[0.0], batch_sweep=[], out=str(tmp_path)
+    )
     measured = []
 
     def run_cell(cell, folder, machine=here):

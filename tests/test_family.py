@@ -260,6 +260,8 @@ def test_drafters_report_measures_any_checkpoint_without_a_recipe(tiny_chat, tmp
 
 SHARED = ("eval/**/*.py", "scripts/*.py", "models/export.py", "models/sizing.py", "train/losses.py")
 """The shared modules: whatever they need of a family they read from its declaration."""
+
+
 def _normal(text: str) -> str:
     return re.sub(r"[^a-z0-9]", "", text.lower())
 

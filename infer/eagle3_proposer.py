@@ -29,8 +29,8 @@ from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
 from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
-from models.eagle3 import Eagle3Drafter, FusedStep
-from models.export import eagle3_engine_exports
+from models.eagle3 import Eagle3Drafter, FusedStep, estimate_training
+from models.eagle3_export import eagle3_engine_exports
 from models.target import TargetModel
 from models.timing import best_of
 
@@ -279,4 +279,7 @@ FAMILY = DrafterFamily(
     report_proposers,
     step_timings=step_timings,
     engine_exports=eagle3_engine_exports,
+    chain=lambda drafter, k: Eagle3Proposer(drafter, k=k),
+    recipe_section="drafter",
+    estimate=estimate_training,
 )

@@ -58,6 +58,17 @@ def family_of(drafter: torch.nn.Module, families: tuple[DrafterFamily, ...] = FA
     raise ValueError(f"no drafter family has the class {type(drafter).__name__}; known: {known}")
 
 
+def recipe_family(recipe: dict, families: tuple[DrafterFamily, ...] = FAMILIES) -> DrafterFamily:
+    """The family whose ``recipe_section`` is a key of ``recipe`` (a training recipe's parsed YAML); ValueError
+    naming the sections the families declare otherwise."""
+    found = [f for f in families if f.recipe_section is not None and f.recipe_section in recipe]
+    if len(found) != 1:
+        sections = " / ".join(f.recipe_section for f in families if f.recipe_section is not None)
+        which = "no" if not found else "more than one"
+        raise ValueError(f"{which} {sections} section: each drafter family's recipe has its own one")
+    return found[0]
+
+
 def load_drafter(
     path: str | Path, target: TargetModel, tokenizer: Any = None, families: tuple[DrafterFamily, ...] = FAMILIES
 ) -> torch.nn.Module:

@@ -16,7 +16,13 @@ module, beside its proposer (``FAMILY = DrafterFamily(...)``):
 - ``step_timings`` (optional): the family's draft step timed by code path, which the cost curve prints beside the
   verify curve;
 - ``engine_exports(drafter)`` (optional): the serving engines' folders of one drafter, each written or refused with
-  the reason (`models.export.EngineExport`); ``drafters publish`` writes them all from the checkpoint.
+  the reason (`models.export.EngineExport`, the layouts in the family's ``models/<family>_export.py``); ``drafters
+  publish`` writes them all from the checkpoint;
+- ``chain(drafter, k)`` (optional): the family's greedy chain of k drafts, which tools that measure one setting of
+  any drafter build (the quick start, the data-scaling curve of a run's snapshots);
+- ``recipe_section`` and ``estimate`` (optional): the key of the family's own section in a training recipe (how a
+  tool tells a recipe's family), and the family's share of a run's size from that section (`models.sizing`), which
+  ``drafters estimate`` adds to the target's.
 
 This module holds the types only and imports no family; the one list of the shipped families is
 `infer.families.FAMILIES`, above the family modules. Nothing registers itself on import.
@@ -35,6 +41,7 @@ from infer.generate import SpecConfig
 from infer.proposer import Proposer, TargetSignal
 from infer.tree_search import DynamicTreeConfig
 from models.export import EngineExport
+from models.sizing import DrafterSizes, RunSizes
 from models.target import TargetModel
 
 ChainSizer = Callable[[Callable[[int], Proposer], int], int]
@@ -113,6 +120,15 @@ class DrafterFamily:
     engine_exports: Callable[[Any], list[EngineExport]] = no_engine_exports
     """drafter → its serving engines' folders, each with its writer or the reason it is refused (`drafters publish`
     writes every one that is not refused and names the refused ones with their reasons)."""
+    chain: Callable[[Any, int], Proposer] | None = None
+    """(drafter, k) → a proposer drafting a chain of k tokens, for tools that measure one chain of any drafter (the
+    quick start, scripts/data_scaling.py). None: those tools refuse the family's drafters."""
+    recipe_section: str | None = None
+    """The key of the family's own section in its training recipes (e.g. the drafter's or the heads' settings):
+    tools that read a recipe find its family by it. None: the family has no training recipe."""
+    estimate: Callable[[dict, RunSizes], DrafterSizes] | None = None
+    """(the recipe's ``recipe_section`` mapping, the run's shared sizes) → the family's share of a training run
+    (trained parameters, FLOPs per token, memory, feature cache), for ``drafters estimate``. None: not sized."""
 
     @property
     def method(self) -> str:

@@ -22,8 +22,8 @@ from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
 from infer.tree import DraftTree, chain, paths_to_parents
-from models.export import medusa_engine_exports
-from models.medusa import MedusaDrafter
+from models.medusa import MedusaDrafter, estimate_training
+from models.medusa_export import medusa_engine_exports
 
 
 class MedusaProposer(Proposer):
@@ -129,4 +129,7 @@ FAMILY = DrafterFamily(
     report_proposers,
     MedusaReportOptions,
     engine_exports=medusa_engine_exports,
+    chain=lambda drafter, k: MedusaProposer(drafter, k=k),
+    recipe_section="heads",
+    estimate=estimate_training,
 )

@@ -33,8 +33,8 @@ from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
-from models.export import mtp_engine_exports
-from models.mtp import MTPDrafter
+from models.mtp import MTPDrafter, estimate_training
+from models.mtp_export import mtp_engine_exports
 
 
 def input_signal(drafter: MTPDrafter) -> TargetSignal:
@@ -226,4 +226,13 @@ def report_proposers(drafter: MTPDrafter, settings: MTPReportSettings, size: Cha
     return out
 
 
-FAMILY = DrafterFamily(MTPDrafter, input_signal, report_proposers, MTPReportOptions, engine_exports=mtp_engine_exports)
+FAMILY = DrafterFamily(
+    MTPDrafter,
+    input_signal,
+    report_proposers,
+    MTPReportOptions,
+    engine_exports=mtp_engine_exports,
+    chain=lambda drafter, k: MTPProposer(drafter, k=k),
+    recipe_section="mtp",
+    estimate=estimate_training,
+)

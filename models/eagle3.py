@@ -11,7 +11,7 @@ Vd draft vocabulary)::
     h' ─ norm ─ lm_head ─► logits [B, m, Vd]  (draft ids; target id = draft id + d2t[draft id])
 
 Module names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) are the keys SGLang and vLLM load
-(REFERENCE.md), so the engine export is a key filter (``models/export.py``). ``embed_tokens`` is a frozen copy of the
+(REFERENCE.md), so the engine export is a key filter (``models/eagle3_export.py``). ``embed_tokens`` is a frozen copy of the
 target's input embedding: it is not saved (the target has it), and ``from_pretrained`` copies it back from the target.
 
 Attention masks are boolean ``allowed[b, query, key]`` over ``[cached keys ‖ new keys]`` with explicit rope positions,
@@ -39,6 +39,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from models.checkpoint import TargetInfo, read_checkpoint, read_weights, write_checkpoint
 from models.config import from_dict
+from models.sizing import GB, DrafterSizes, RunSizes
 from models.target import TargetModel
 
 METHOD = "eagle3"
@@ -592,3 +593,21 @@ class Eagle3Drafter(nn.Module):
             hidden = self.midlayer.finish(hidden, attn_mod.out(attn))
             all_logits.append(self.compute_logits(hidden if select is None else hidden[select[i]]))
         return all_logits
+
+
+# --- sizing a training run (scripts/estimate.py) ---------------------------------------------------------------
+def estimate_training(drafter: dict, run: RunSizes) -> DrafterSizes:
+    """The drafter's share of a run from the recipe's ``drafter`` section: fc over the A = 3 taps, one decoder layer
+    on [embedding; hidden] (2H wide), the draft-vocabulary head and two norms, unrolled ``ttt_steps`` times (each
+    step attends over the context); offline, the target's head is recomputed from the cached final hidden state."""
+    shape, H, V = run.shape, run.shape.H, run.shape.V
+    n, Vd, A = drafter.get("ttt_steps", 7), drafter.get("draft_vocab_size", 32000), 3
+    step = shape.layer(2 * H) + Vd * H + 2 * H  # layer on [emb; h], head, hidden + final norms
+    flops = run.target_forward_flops + 6 * A * H * H + n * (6 * step + 12 * H * run.context)
+    if not run.online:
+        flops += 2 * V * H  # the target's head recomputed from the cached final hidden state
+    memory = {
+        "frozen embedding copy": V * H * run.weight_bytes * GB,
+        "logits (target + draft steps, fp32)": run.tokens * (2 * V + n * 2 * Vd) * 4 * GB,
+    }
+    return DrafterSizes(A * H * H + step, flops, memory, (A * H + H) * run.feature_bytes)  # cache: taps + last hidden

@@ -16,7 +16,7 @@ decoding streams the weights from memory, a shared head costs one pass over V×H
 Checkpoint: ``config.json`` = `MedusaConfig` fields + the ``drafters`` block (models/checkpoint.py, method
 "medusa"), ``model.safetensors`` = ``blocks.{k}.{l}.linear.{weight,bias}`` and, unless shared,
 ``lm_heads.{k}.weight``. ``tree_paths`` (optional) is the static tree chosen from the heads' measured accuracies.
-Exports to vLLM and to the original / TensorRT-LLM layout: models/export.py.
+Exports to vLLM and to the original / TensorRT-LLM layout: models/medusa_export.py.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch import nn
 
 from models.checkpoint import TargetInfo, read_checkpoint, read_weights, write_checkpoint
 from models.config import from_dict
+from models.sizing import GB, DrafterSizes, RunSizes
 from models.target import TargetModel
 
 METHOD = "medusa"
@@ -177,3 +178,16 @@ class MedusaDrafter(nn.Module):
         if self.lm_heads is None:
             return self.output_head(0)(hidden)  # one pass over the shared head's V×H weight for all heads
         return torch.stack([self.lm_heads[k](h) for k, h in enumerate(hidden)])
+
+
+# --- sizing a training run (scripts/estimate.py) ---------------------------------------------------------------
+def estimate_training(heads: dict, run: RunSizes) -> DrafterSizes:
+    """The heads' share of a run from the recipe's ``heads`` section: K heads of R ResBlocks, each with its own
+    lm_head unless shared (a frozen shared head still costs its forward and input gradient), on the answer tokens."""
+    H, V = run.shape.H, run.shape.V
+    K, R, shared = heads.get("num_heads", 4), heads.get("num_layers", 1), heads.get("shared_head", False)
+    trainable = K * R * (H * H + H) + (0 if shared else K * V * H)
+    head = (4 if shared else 6) * V * H * run.loss_share  # a frozen shared head: forward + input gradient
+    flops = run.target_forward_flops + K * (6 * R * H * H + head)
+    memory = {"logits (heads, fp32)": run.tokens * run.loss_share * K * V * 4 * 2 * GB}
+    return DrafterSizes(trainable, flops, memory, H * run.feature_bytes)  # cache: the final hidden state

@@ -15,7 +15,7 @@ The embedding, the final norm and the output head are the target's (shared, not 
 changes travel in ``<checkpoint>/target``). Module k therefore sees tokens up to t_{i+k} and nothing later (tested).
 The block is an instance of the target's decoder-layer class built from the target's config (Llama, Qwen2, Qwen3,
 Mistral …), so its parameter names are the target's own (``self_attn.q_proj`` …), which is what the DeepSeek-V3 /
-GLM and Qwen3-Next layouts expect next to ``enorm`` / ``hnorm`` / ``eh_proj`` (models/export.py).
+GLM and Qwen3-Next layouts expect next to ``enorm`` / ``hnorm`` / ``eh_proj`` (models/mtp_export.py).
 
 Checkpoint: ``config.json`` = `MTPConfig` + the ``drafters`` block (method "mtp"), ``model.safetensors`` =
 ``layers.{k}.{enorm,hnorm,eh_proj}.weight`` and ``layers.{k}.block.*`` (0-based k).
@@ -36,6 +36,7 @@ from torch import nn
 from models.checkpoint import TargetInfo, read_checkpoint, read_weights, write_checkpoint
 from models.config import from_dict
 from models.eagle3 import RMSNorm
+from models.sizing import GB, DrafterSizes, RunSizes
 from models.target import TargetModel
 
 METHOD = "mtp"
@@ -288,3 +289,16 @@ class MTPDrafter(nn.Module):
         runs only where there is a label: a 49k-wide head over every token of every depth would dominate)."""
         hidden = self.hidden_states(target_hidden, input_ids, position_ids, allowed)
         return [self.logits(h[p]) for h, p in zip(hidden, positions)]
+
+
+# --- sizing a training run (scripts/estimate.py) ---------------------------------------------------------------
+def estimate_training(mtp: dict, run: RunSizes) -> DrafterSizes:
+    """The modules' share of a run from the recipe's ``mtp`` section: D modules of one target-shaped block plus
+    eh_proj and two norms, each through the target's head on the answer tokens; MTP trains online only (no cache)."""
+    shape, H, V = run.shape, run.shape.H, run.shape.V
+    D = mtp.get("num_modules", 1)
+    module = shape.layer() + 2 * H * H + 2 * H  # block + eh_proj + enorm / hnorm
+    attention = 12 * shape.heads * shape.head_dim * run.context
+    flops = run.target_forward_flops + D * (6 * module + 4 * V * H * run.loss_share + attention)
+    memory = {"logits (depths, fp32)": run.tokens * run.loss_share * D * V * 4 * 2 * GB}
+    return DrafterSizes(D * module, flops, memory, None)

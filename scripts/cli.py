@@ -21,10 +21,17 @@ import sys
 import time
 import tomllib
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the commands import their modules when run: `drafters --help` stays instant
+    import torch
+
+    from eval.measure import Candidate
+    from models.target import TargetModel
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK_RECIPE = ROOT / "recipes" / "smollm2-135m" / "eagle3.yaml"
-SHIPPED_DRAFTER = ROOT / "models" / "smollm2_eagle3"
+SHIPPED_DRAFTERS = sorted(p.parent for p in (ROOT / "models").glob("*/config.json"))
+"""The drafters shipped in models/ (each folder with a config.json), as the leaderboard finds them."""
 SHIPPED_DATA = ROOT / "train" / "shipped_data" / "smollm2-135m-instruct"
 DRAFT_MODEL = ROOT / "outputs" / "smollm2-draft-model"
 
@@ -58,9 +65,7 @@ def get_target(argv: list[str]) -> None:
     print(build_target(args.name, args.out, force=args.force))
 
 
-def quickstart(argv: list[str]) -> None:
-    """The main job, small: get the target, answer one prompt, train a short EAGLE-3 run, measure it beside the
-    shipped drafter, prompt lookup, the small draft model and HF generate on held-out chat prompts."""
+def quickstart_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="drafters quickstart")
     ap.add_argument("--skip-training", action="store_true", help="no short training run (a one-minute look)")
     ap.add_argument("--prompts", type=int, default=4, help="held-out chat prompts to measure")
@@ -73,79 +78,30 @@ def quickstart(argv: list[str]) -> None:
         choices=["fastest", "float32", "bfloat16"],
         help="the target's dtype: fastest = the precision policy's serving choice for this machine",
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def quickstart(argv: list[str]) -> None:
+    """The main job, small: get the target, answer one prompt, train a short run of the quick-start recipe, measure
+    it beside the shipped drafters, prompt lookup, the small draft model and HF generate on held-out chat prompts."""
+    args = quickstart_args(argv)
 
     import torch
 
-    from eval.measure import Candidate, MeasuredPrompt, measure, quiet_routing, serving_targets, stop_ids, write_report
+    from eval.measure import MeasuredPrompt, measure, write_report
     from eval.prompts import builtin_prompts, chat_ids
-    from infer.eagle3_proposer import Eagle3Proposer
-    from infer.generate import generate_vanilla
-    from infer.proposers import DraftModelProposer
-    from infer.sampling import SamplingParams
-    from models.checkpoint import read_checkpoint
-    from models.eagle3 import Eagle3Drafter
-    from models.target import TargetConfig, TargetModel, load_tokenizer
 
     t0 = time.time()
     name = "smollm2-135m-instruct"
-    tokenizer = load_tokenizer(name)
-    # the precision policy's serving choice (models/precision.py; measured once per machine, then cached), sized
-    # with the shipped drafter's held-out acceptance; --dtype makes it the user's choice
-    shipped_acceptance = read_checkpoint(SHIPPED_DRAFTER)[1].heldout_acceptance if SHIPPED_DRAFTER.exists() else None
-    cfg = TargetConfig(name_or_path=name, dtype=args.dtype, device="cpu")
-    target = TargetModel.from_config(cfg, "serve", prepare=quiet_routing, acceptance=shipped_acceptance or None)
-    target, vanilla_target = serving_targets(target, shipped_acceptance or None, lambda m: None)
-    print(target.precision.line())
-    eos = stop_ids(tokenizer, target.model)
-    n_params = sum(p.numel() for p in target.model.parameters()) / 1e6
-    print(f"target {name}: {n_params:.1f} M parameters in {target.precision.dtype}, loaded in {time.time() - t0:.0f} s")
+    target, vanilla_target, tokenizer, eos = quick_target(name, args.dtype, t0)
     prompts = builtin_prompts("chat", args.prompts)
-    first = chat_ids(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
-    out = generate_vanilla(target, [first], SamplingParams(max_new_tokens=args.max_new_tokens), eos)
-    print(
-        f"\n--- held-out request ---\n{prompts[0].turns[0]}\n--- greedy answer ---\n{tokenizer.decode(out.tokens[0])}\n"
-    )
-
-    candidates = []
-    if SHIPPED_DRAFTER.exists():
-        shipped = Eagle3Drafter.from_pretrained(SHIPPED_DRAFTER, target, tokenizer).eval()
-        candidates.append(Candidate("eagle3 (shipped)", "chain 3", lambda: Eagle3Proposer(shipped, k=3)))
-    if not args.skip_training:
-        from train.eagle3 import main as train_eagle3
-
-        run = args.out / "eagle3-short"
-        print(f"short EAGLE-3 run on {args.train_samples} shipped conversations (online features) → {run}")
-        train_eagle3(
-            [
-                "--config",
-                str(QUICK_RECIPE),
-                f"train.output_dir={run}",
-                f"data.path={SHIPPED_DATA / 'train.jsonl.gz'}",
-                f"eval_data.path={SHIPPED_DATA / 'heldout.jsonl.gz'}",
-                "train.features=online",
-                f"train.max_train_samples={args.train_samples}",
-                "train.epochs=1",
-                "train.batch_size=4",
-                "train.eval_every=0",
-                "train.eval_samples=16",
-                "train.save_every=0",
-                "train.export=false",
-                "report.enabled=false",
-            ]
-        )
-        short = Eagle3Drafter.from_pretrained(run, target, tokenizer).eval()
-        candidates.append(Candidate("eagle3 (short run)", "chain 3", lambda: Eagle3Proposer(short, k=3)))
-    if DRAFT_MODEL.exists():  # built by recipes/smollm2-135m/draft_model.yaml (distilled, ~5 min)
-        from transformers import AutoModelForCausalLM
-
-        draft, how = AutoModelForCausalLM.from_pretrained(DRAFT_MODEL, dtype=target.dtype).eval(), "distilled"
-    else:  # the same cut without its distillation: instant, and still a real small model on the tokenizer
-        from models.draft_model import cut_target
-
-        draft, how = cut_target(target, 2).eval(), "not distilled"
-    candidates.append(Candidate(f"draft model (2 layers, {how})", "chain 1", lambda: DraftModelProposer(draft, k=1)))
     measured = [MeasuredPrompt(chat_ids(tokenizer, [{"role": "user", "content": p.turns[0]}]), "chat") for p in prompts]
+    show_first_answer(target, tokenizer, eos, prompts[0].turns[0], measured[0].ids, args.max_new_tokens)
+
+    candidates = shipped_candidates(target, tokenizer)
+    if not args.skip_training:
+        candidates.append(short_run_candidate(target, tokenizer, args.out, args.train_samples))
+    candidates.append(draft_model_candidate(target))
     rows = measure(target, candidates, measured, eos, max_new_tokens=args.max_new_tokens, vanilla_target=vanilla_target)
     prompt_set = f"built-in chat ({len(measured)})"
     write_report(args.out, "quickstart", name, rows, prompt_set=prompt_set, precision=target.precision.as_dict())
@@ -154,6 +110,86 @@ def quickstart(argv: list[str]) -> None:
         f"\n{len(measured)} held-out chat prompts, T=0, answers stop at EOS (cap {args.max_new_tokens}); "
         f"report in {args.out}; {(time.time() - t0) / 60:.1f} min in all; torch threads {torch.get_num_threads()}"
     )
+
+
+def quick_target(name: str, dtype: str, t0: float) -> tuple[TargetModel, TargetModel, object, list[int]]:
+    """(served target, the vanilla baseline's target, tokenizer, stop ids) of the quick start, in the precision
+    policy's serving choice (models/precision.py; measured once per machine, then cached), sized with the first
+    shipped drafter's held-out acceptance; ``dtype`` other than "fastest" makes it the user's choice."""
+    from eval.measure import quiet_routing, serving_targets, stop_ids
+    from models.checkpoint import read_checkpoint
+    from models.target import TargetConfig, TargetModel, load_tokenizer
+
+    tokenizer = load_tokenizer(name)
+    shipped_acceptance = read_checkpoint(SHIPPED_DRAFTERS[0])[1].heldout_acceptance if SHIPPED_DRAFTERS else None
+    cfg = TargetConfig(name_or_path=name, dtype=dtype, device="cpu")
+    target = TargetModel.from_config(cfg, "serve", prepare=quiet_routing, acceptance=shipped_acceptance or None)
+    target, vanilla_target = serving_targets(target, shipped_acceptance or None, lambda m: None)
+    print(target.precision.line())
+    n_params = sum(p.numel() for p in target.model.parameters()) / 1e6
+    print(f"target {name}: {n_params:.1f} M parameters in {target.precision.dtype}, loaded in {time.time() - t0:.0f} s")
+    return target, vanilla_target, tokenizer, stop_ids(tokenizer, target.model)
+
+
+def show_first_answer(
+    target: TargetModel, tokenizer, eos: list[int], request: str, ids: list[int], max_new_tokens: int
+) -> None:
+    """The target's greedy answer to the first held-out request: what the drafters below must reproduce."""
+    from infer.generate import generate_vanilla
+    from infer.sampling import SamplingParams
+
+    out = generate_vanilla(target, [ids], SamplingParams(max_new_tokens=max_new_tokens), eos)
+    print(f"\n--- held-out request ---\n{request}\n--- greedy answer ---\n{tokenizer.decode(out.tokens[0])}\n")
+
+
+def chain_candidate(drafter: torch.nn.Module, label: str, k: int) -> Candidate:
+    """An `eval.measure.Candidate` of ``drafter``'s chain of ``k`` (its family's `DrafterFamily.chain`)."""
+    from eval.measure import Candidate
+    from infer.families import family_of
+
+    fam = family_of(drafter)
+    return Candidate(f"{fam.method} ({label})", f"chain {k}", lambda: fam.chain(drafter, k))
+
+
+def shipped_candidates(target: TargetModel, tokenizer) -> list[Candidate]:
+    """Every drafter shipped in models/ as a chain of 3."""
+    from infer.families import load_drafter
+
+    return [chain_candidate(load_drafter(p, target, tokenizer).eval(), "shipped", 3) for p in SHIPPED_DRAFTERS]
+
+
+def short_run_candidate(target: TargetModel, tokenizer, out: Path, samples: int) -> Candidate:
+    """A short run of the quick-start recipe (train.recipes.QUICK_START_RECIPE) on the shipped conversations, online
+    features, no export or report, as a chain of 3."""
+    from infer.families import load_drafter
+    from train.recipes import QUICK_START_RECIPE, entry_of
+
+    entry = entry_of(QUICK_START_RECIPE)
+    run = out / f"{entry.family.method}-short"
+    print(f"short {entry.family.method} run on {samples} shipped conversations (online features) → {run}")
+    overrides = [f"train.output_dir={run}", f"data.path={SHIPPED_DATA / 'train.jsonl.gz'}"]
+    overrides += [f"eval_data.path={SHIPPED_DATA / 'heldout.jsonl.gz'}", "train.features=online"]
+    overrides += [f"train.max_train_samples={samples}", "train.epochs=1", "train.batch_size=4", "train.eval_every=0"]
+    overrides += ["train.eval_samples=16", "train.save_every=0", "train.export=false", "report.enabled=false"]
+    entry.main(["--config", str(QUICK_START_RECIPE), *overrides])
+    return chain_candidate(load_drafter(run, target, tokenizer).eval(), "short run", 3)
+
+
+def draft_model_candidate(target: TargetModel) -> Candidate:
+    """The 2-layer draft model: distilled when recipes/smollm2-135m/draft_model.yaml has built it (~5 min), else the
+    same cut without its distillation (instant, and still a real small model on the tokenizer)."""
+    from eval.measure import Candidate
+    from infer.proposers import DraftModelProposer
+
+    if DRAFT_MODEL.exists():
+        from transformers import AutoModelForCausalLM
+
+        draft, how = AutoModelForCausalLM.from_pretrained(DRAFT_MODEL, dtype=target.dtype).eval(), "distilled"
+    else:
+        from models.draft_model import cut_target
+
+        draft, how = cut_target(target, 2).eval(), "not distilled"
+    return Candidate(f"draft model (2 layers, {how})", "chain 1", lambda: DraftModelProposer(draft, k=1))
 
 
 def print_closing_table(rows: list[dict]) -> None:

@@ -1,13 +1,15 @@
-"""The data-scaling curve of one EAGLE-3 training run: for each snapshot (``<run>/snapshots/step-N``, written by
+"""The data-scaling curve of one training run: for each snapshot (``<run>/snapshots/step-N``, written by
 ``train.snapshot_steps``) and the final checkpoint, the tokens it has read, its held-out acceptance per draft
 position (teacher-forced, the training evaluation) and its served τ and acceptance per position on a prompt file
-(greedy chain in the verify runtime, answers stopping at EOS or the cap).
+(greedy chain in the verify runtime, answers stopping at EOS or the cap). The recipe's family (the one whose section
+its YAML has, e.g. an EAGLE-3 recipe's ``drafter``) gives the config, the held-out evaluation and the chain
+(`train.recipes.TrainingEntry`, `infer.family.DrafterFamily.chain`).
 
     python -m scripts.data_scaling --config recipes/smollm2-135m/eagle3-text.yaml \
         --prompts eval/prompts/specbench_unseen.jsonl --out docs/data_scaling [--extra shipped=models/smollm2_eagle3]
 
 τ and acceptance do not depend on timing, so this may run beside other work; speedups come from the report
-(`train/eagle3.py report`), which times every row against vanilla in one quiet run. Results are appended to
+(``python train/<method>.py report``), which times every row against vanilla in one quiet run. Results are appended to
 ``<out>/curve.json`` one checkpoint at a time (a checkpoint already there is not measured again), then the table
 ``<out>/curve.md`` and the plot ``<out>/curve.png`` are drawn from it.
 """
@@ -18,24 +20,28 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from eval.measure import alpha_of, stop_ids
 from eval.prompts import chat_ids, load_prompt_file
-from infer.eagle3_proposer import Eagle3Proposer
+from infer.families import family_of, load_drafter
 from infer.generate import generate_speculative
+from infer.proposer import Proposer
 from infer.sampling import SamplingParams
 from models.config import parse_cli
-from models.eagle3 import Eagle3Drafter
+from models.target import TargetModel
 from train.distributed import make_accelerator
-from train.eagle3 import Eagle3RecipeConfig, evaluate
 from train.loop import load_target_and_data
+from train.recipes import TrainingEntry, entry_of
 from train.schedule import epoch_batch, sample_lengths, schedule
 
 
-def tokens_read(cfg: Eagle3RecipeConfig, train_set, step: int) -> tuple[int, int]:
+def tokens_read(cfg: Any, train_set, step: int) -> tuple[int, int]:
     """(tokens, loss tokens) of the micro-batches a run of this recipe reads in its first ``step`` optimizer steps
     (one process; the order is the loop's own, seeded)."""
     tc = cfg.train
@@ -49,20 +55,30 @@ def tokens_read(cfg: Eagle3RecipeConfig, train_set, step: int) -> tuple[int, int
     return tokens, loss_tokens
 
 
-def served(target, drafter, tokenizer, prompts, k: int, max_new_tokens: int) -> dict:
-    """Greedy chain-k decoding of every prompt's first turn: τ (bonus included) and α per position."""
+def served(target: TargetModel, make: Callable[[], Proposer], tokenizer, prompts, max_new_tokens: int) -> dict:
+    """Greedy decoding of every prompt's first turn with a fresh proposer from ``make`` each (the family's chain):
+    τ (bonus included) and α per position."""
     stops = stop_ids(tokenizer, target.model)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     stats, by_category = [], {}
     for p in prompts:
         ids = chat_ids(tokenizer, [{"role": "user", "content": p.turns[0]}])
-        out = generate_speculative(target, Eagle3Proposer(drafter, k=k), [ids], params, stops)
+        out = generate_speculative(target, make(), [ids], params, stops)
         stats.append(out.stats)
         by_category.setdefault(p.category, []).append(out.stats)
     tau = sum(s.new_tokens for s in stats) / max(1, sum(s.row_forwards for s in stats))
     per_cat = {c: sum(s.new_tokens for s in v) / max(1, sum(s.row_forwards for s in v)) for c, v in by_category.items()}
     stopped = sum(1 for s in stats if s.new_tokens < max_new_tokens)
     return {"tau": tau, "alpha": alpha_of(stats), "tau_by_category": per_cat, "stopped_at_eos": stopped}
+
+
+def checkpoint_of(entry: TrainingEntry, path: Path, target: TargetModel, tokenizer) -> torch.nn.Module:
+    """The drafter at ``path``, which must be of the recipe's family: its held-out evaluation runs the recipe's
+    own loss on it."""
+    drafter = load_drafter(path, target, tokenizer)
+    if family_of(drafter) is not entry.family:
+        raise SystemExit(f"{path}: a {family_of(drafter).method} drafter; the recipe trains {entry.family.method}")
+    return drafter
 
 
 def draw(rows: list[dict], out: Path) -> None:
@@ -125,7 +141,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--extra", action="append", default=[], help="NAME=DIR: another checkpoint beside the run")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     args = parser.parse_args(argv)
-    cfg = parse_cli(Eagle3RecipeConfig, ["--config", args.config, *args.overrides, "report.enabled=false"])
+    entry = entry_of(args.config)
+    if entry.family.chain is None:
+        raise SystemExit(f"{args.config}: the {entry.family.method} family declares no chain proposer to measure")
+    cfg = parse_cli(entry.config_class, ["--config", args.config, *args.overrides, "report.enabled=false"])
     cfg.train.eval_samples = args.heldout_samples
     run = Path(cfg.train.output_dir)
     out = Path(args.out)
@@ -150,13 +169,14 @@ def main(argv: list[str]) -> None:
         if name in done:
             continue
         t0 = time.time()
-        drafter = Eagle3Drafter.from_pretrained(path, target, tokenizer).to(accelerator.device)
+        drafter = checkpoint_of(entry, path, target, tokenizer).to(accelerator.device)
         row = {"name": name, "path": str(path), "step": step}
         if step is not None:
             row["tokens"], row["loss_tokens"] = tokens_read(cfg, train_set, step)
-        row["heldout_alpha"] = evaluate(accelerator, target, drafter, eval_set, cfg, pad_id)["eval/acc"]
+        row["heldout_alpha"] = entry.heldout_acceptance(accelerator, target, drafter, eval_set, cfg, pad_id)
         with torch.inference_mode():
-            row["served"] = served(target, drafter, tokenizer, prompts, args.chain, args.max_new_tokens)
+            chain = partial(entry.family.chain, drafter, args.chain)
+            row["served"] = served(target, chain, tokenizer, prompts, args.max_new_tokens)
         rows.append(row)
         store.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         log(

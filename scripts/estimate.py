@@ -32,10 +32,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.target import DEFAULT_LORA_TARGET_MODULES  # noqa: E402
+from infer.families import FAMILIES, recipe_family  # noqa: E402
+from models.sizing import ADAM_BYTES, BYTES, GB, RunSizes, Shape  # noqa: E402
 
-BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fastest": 2, "auto": 2}
-ADAM_BYTES = 16  # fp32 master weight + fp32 gradient + AdamW m and v
 SMOLLM2 = {  # SmolLM2-135M-Instruct's config.json (the reference target), for calibration without its folder
     "hidden_size": 576,
     "intermediate_size": 1536,
@@ -45,62 +44,8 @@ SMOLLM2 = {  # SmolLM2-135M-Instruct's config.json (the reference target), for c
     "vocab_size": 49152,
     "tie_word_embeddings": True,
 }
-
-
-@dataclass
-class Shape:
-    """The target's shape from its config.json (text part of a multimodal config)."""
-
-    H: int
-    I: int  # noqa: E741 (the paper's name for the MLP width)
-    L: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    V: int
-    tied: bool
-
-    @classmethod
-    def of(cls, config: dict) -> Shape:
-        c = config.get("text_config", config)
-        heads = c["num_attention_heads"]
-        return cls(
-            H=c["hidden_size"],
-            I=c["intermediate_size"],
-            L=c["num_hidden_layers"],
-            heads=heads,
-            kv_heads=c.get("num_key_value_heads", heads),
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            V=c["vocab_size"],
-            tied=bool(c.get("tie_word_embeddings", False)),
-        )
-
-    def layer(self, input_width: int | None = None) -> int:
-        """Weights of one decoder layer (q/k/v read ``input_width``, default H; two RMSNorms)."""
-        x = input_width or self.H
-        attn = (
-            x * self.heads * self.head_dim + 2 * x * self.kv_heads * self.head_dim + self.heads * self.head_dim * self.H
-        )
-        return attn + 3 * self.H * self.I + 2 * self.H
-
-    def lora_width(self, modules: list[str] | None = None) -> int:
-        """Σ (in + out) over one layer's LoRA-wrapped projections: rank r adds r · this per layer."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        dims = {"q_proj": (self.H, q), "k_proj": (self.H, kv), "v_proj": (self.H, kv), "o_proj": (q, self.H)}
-        dims.update(gate_proj=(self.H, self.I), up_proj=(self.H, self.I), down_proj=(self.I, self.H))
-        modules = list(modules or DEFAULT_LORA_TARGET_MODULES)
-        if set(modules) - dims.keys():
-            raise SystemExit(f"LoRA modules {sorted(set(modules) - dims.keys())}: the estimator knows {sorted(dims)}")
-        return sum(sum(dims[m]) for m in modules)
-
-    @property
-    def params(self) -> int:
-        """All target parameters (embedding, layers, final norm, head unless tied)."""
-        return self.V * self.H * (1 if self.tied else 2) + self.L * self.layer() + self.H
-
-    def forward_flops(self, context: float) -> float:
-        """Forward FLOPs per token: every matmul weight once, the head, causal attention over ``context`` keys."""
-        return 2 * (self.L * self.layer() + self.V * self.H) + 4 * self.L * self.heads * self.head_dim * context
+SIZED = tuple(f for f in FAMILIES if f.estimate is not None)
+"""The families whose declaration sizes a run (`infer.family.DrafterFamily.estimate`)."""
 
 
 @dataclass
@@ -113,65 +58,49 @@ class Estimate:
 
 
 def estimate(shape: Shape, recipe: dict) -> Estimate:
-    """Sizes of one recipe (a parsed YAML mapping) on ``shape``; memory for DDP (each GPU holds the whole drafter)."""
+    """Sizes of one recipe (a parsed YAML mapping) on ``shape``; memory for DDP (each GPU holds the whole drafter).
+    The drafter's share comes from the recipe's family (its section's sizes), the target's and the optimizer's from
+    here."""
     t, tr = recipe["target"], recipe["train"]
-    seq = recipe["data"].get("max_length", 2048) * tr.get("batch_size", 1)
+    fam = recipe_family(recipe, SIZED)
     ctx = recipe["data"].get("max_length", 2048) / 2  # causal attention: the average query sees half the row
-    loss_share = 0.6  # share of a chat row that is answer tokens (the shipped and 8B data: 55-65 %)
-    wbytes = BYTES.get(t.get("dtype", "bfloat16"), 2)
-    joint = t.get("mode", "frozen") == "joint"
-    H, V = shape.H, shape.V
-    gb = 1e-9
-    mem = {"target weights": shape.params * wbytes * gb}
     online = tr.get("features", "online") == "online"
-    target_fwd = shape.forward_flops(ctx) if online else 0.0
-
-    if "drafter" in recipe:  # EAGLE-3
-        d, method = recipe["drafter"], "eagle3"
-        n, Vd, A = d.get("ttt_steps", 7), d.get("draft_vocab_size", 32000), 3
-        step = shape.layer(2 * H) + Vd * H + 2 * H  # layer on [emb; h], head, hidden + final norms
-        trainable = A * H * H + step
-        flops = target_fwd + 6 * A * H * H + n * (6 * step + 12 * H * ctx)
-        if not online:
-            flops += 2 * V * H  # the target's head recomputed from the cached final hidden state
-        mem["frozen embedding copy"] = V * H * wbytes * gb
-        mem["logits (target + draft steps, fp32)"] = seq * (2 * V + n * 2 * Vd) * 4 * gb
-        cache = (A * H + H) * BYTES.get(tr.get("feature_dtype", "bfloat16"), 2)
-    elif "heads" in recipe:  # Medusa
-        h, method = recipe["heads"], "medusa"
-        K, R, shared = h.get("num_heads", 4), h.get("num_layers", 1), h.get("shared_head", False)
-        trainable = K * R * (H * H + H) + (0 if shared else K * V * H)
-        head = (4 if shared else 6) * V * H * loss_share  # a frozen shared head: forward + input gradient
-        flops = target_fwd + K * (6 * R * H * H + head)
-        mem["logits (heads, fp32)"] = seq * loss_share * K * V * 4 * 2 * gb
-        cache = H * BYTES.get(tr.get("feature_dtype", "bfloat16"), 2)
-    else:  # MTP
-        m, method = recipe["mtp"], "mtp"
-        D = m.get("num_modules", 1)
-        module = shape.layer() + 2 * H * H + 2 * H  # block + eh_proj + enorm / hnorm
-        trainable = D * module
-        flops = target_fwd + D * (6 * module + 4 * V * H * loss_share + 12 * shape.heads * shape.head_dim * ctx)
-        mem["logits (depths, fp32)"] = seq * loss_share * D * V * 4 * 2 * gb
-        cache = None
+    run = RunSizes(
+        shape=shape,
+        tokens=recipe["data"].get("max_length", 2048) * tr.get("batch_size", 1),
+        context=ctx,
+        loss_share=0.6,  # share of a chat row that is answer tokens (the shipped and 8B data: 55-65 %)
+        weight_bytes=BYTES.get(t.get("dtype", "bfloat16"), 2),
+        feature_bytes=BYTES.get(tr.get("feature_dtype", "bfloat16"), 2),
+        online=online,
+        target_forward_flops=shape.forward_flops(ctx) if online else 0.0,
+    )
+    joint = t.get("mode", "frozen") == "joint"
+    mem = {"target weights": shape.params * run.weight_bytes * GB}
+    own = fam.estimate(recipe[fam.recipe_section], run)
+    mem.update(own.memory)
+    trainable, flops = own.trainable, own.flops_per_token
     if joint:
         lora = t.get("lora_rank", 0)
         trainable += lora * shape.L * shape.lora_width(t.get("lora_target_modules")) if lora else shape.params
         flops += 2 * shape.forward_flops(ctx)  # the target's backward runs too (joint training is online)
         if not lora:
-            mem["frozen original (KL / quality guard)"] = shape.params * wbytes * gb
-        mem["target activations (with graph)"] = 34 * seq * H * shape.L * gb
+            mem["frozen original (KL / quality guard)"] = shape.params * run.weight_bytes * GB
+        mem["target activations (with graph)"] = 34 * run.tokens * shape.H * shape.L * GB
     else:
-        mem["target activations (no graph)"] = seq * (4 * H + 3 * shape.I) * wbytes * gb
-    mem["trainable weights + AdamW"] = trainable * ADAM_BYTES * gb
-    return Estimate(method, trainable, flops, mem, cache)
+        mem["target activations (no graph)"] = run.tokens * (4 * shape.H + 3 * shape.I) * run.weight_bytes * GB
+    mem["trainable weights + AdamW"] = trainable * ADAM_BYTES * GB
+    return Estimate(fam.method, trainable, flops, mem, own.cache_bytes_per_token)
 
 
 def load_recipe(path: str | Path) -> dict:
     recipe = yaml.safe_load(Path(path).read_text())
     if not isinstance(recipe, dict) or not {"target", "data", "train"} <= recipe.keys():
         raise SystemExit(f"{path}: not a training recipe (needs target, data and train sections)")
-    if not {"drafter", "heads", "mtp"} & recipe.keys():
-        raise SystemExit(f"{path}: no drafter / heads / mtp section: the estimator sizes EAGLE-3, Medusa and MTP")
+    try:
+        recipe_family(recipe, SIZED)
+    except ValueError as e:
+        raise SystemExit(f"{path}: {e}; the estimator sizes {', '.join(f.method for f in SIZED)}") from None
     return recipe
 
 
@@ -186,7 +115,7 @@ def load_shape(path: str | Path) -> Shape:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="the target's config.json (or its folder); no weights needed")
-    ap.add_argument("--recipe", required=True, help="a recipe YAML (EAGLE-3, Medusa or MTP)")
+    ap.add_argument("--recipe", required=True, help="a training recipe YAML of a family the estimator sizes")
     ap.add_argument("--tokens", type=float, help="training tokens per epoch")
     ap.add_argument("--samples", type=float, help="samples per epoch (with --tokens-per-sample)")
     ap.add_argument("--tokens-per-sample", type=float, default=1000.0)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from models.eagle3 import Eagle3Config, Eagle3Drafter, TargetInfo, read_checkpoint_config
-from models.export import (
+from models.eagle3_export import (
     save_sglang,
     save_speculators,
     sglang_config,

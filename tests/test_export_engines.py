@@ -43,23 +43,23 @@ from transformers.modeling_layers import MtpModel
 
 from infer.mtp_proposer import input_signal
 from models.eagle3 import Eagle3Drafter, read_checkpoint_config
-from models.export import (
+from models.eagle3_export import save_sglang, save_speculators, sglang_config
+from models.medusa import MedusaDrafter
+from models.medusa_export import (
     FASTERDECODING_HEADS,
     medusa_original_refusal,
     medusa_original_state_dict,
+    save_medusa_original,
+    save_medusa_vllm,
+)
+from models.mtp import MTPDrafter
+from models.mtp_export import (
     mtp_deepseek_refusal,
     mtp_engine_exports,
     mtp_qwen3_next_refusal,
-    save_medusa_original,
-    save_medusa_vllm,
     save_mtp_deepseek,
     save_mtp_qwen3_next,
-    save_sglang,
-    save_speculators,
-    sglang_config,
 )
-from models.medusa import MedusaDrafter
-from models.mtp import MTPDrafter
 from models.target import TargetModel
 from tests.conftest import tiny_llama
 

@@ -258,16 +258,8 @@ def test_drafters_report_measures_any_checkpoint_without_a_recipe(tiny_chat, tmp
 
 # ------------------------------------------------------------------------- shared code names no family
 
-SHARED = ("eval/**/*.py", "scripts/*.py", "models/export.py", "train/losses.py")
+SHARED = ("eval/**/*.py", "scripts/*.py", "models/export.py", "models/sizing.py", "train/losses.py")
 """The shared modules: whatever they need of a family they read from its declaration."""
-NOT_YET = {
-    "models/export.py": "each family's engine exports",
-    "scripts/cli.py": "the quick start trains and measures EAGLE-3",
-    "scripts/data_scaling.py": "the data-scaling curve of EAGLE-3 snapshots",
-    "scripts/estimate.py": "an if-chain over the recipe sections of the three families",
-}
-"""Shared modules that still name a family, and where; each leaves this list when its family code moves into the
-family's own module (the test fails for an entry that no longer names one, so the list only shrinks)."""
 
 
 def _normal(text: str) -> str:
@@ -339,12 +331,12 @@ def size(cfg, eagle3_steps=1):  # a comment may say mtp
 
 
 def test_no_shared_module_names_a_family():
-    """eval/, scripts/, models/export.py and the losses read what they need from the families' declarations."""
+    """eval/, scripts/, the export and sizing machinery and the losses read what they need from the families'
+    declarations."""
     naming = {}
     for pattern in SHARED:
         for path in sorted(ROOT.glob(pattern)):
             found = family_names(path.read_text())
             if found:
                 naming[path.relative_to(ROOT).as_posix()] = found
-    assert {p: w for p, w in naming.items() if p not in NOT_YET} == {}
-    assert sorted(p for p in NOT_YET if p not in naming) == [], "these name no family any more: drop them from NOT_YET"
+    assert naming == {}

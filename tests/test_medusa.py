@@ -14,14 +14,14 @@ from infer.sampling import SamplingParams
 from infer.tree_search import best_rank_paths, expected_accepted
 from models.checkpoint import read_checkpoint
 from models.eagle3 import Eagle3Drafter, read_checkpoint_config
-from models.export import (
+from models.medusa import MedusaConfig, MedusaDrafter
+from models.medusa_export import (
     medusa_original_state_dict,
     medusa_vllm_config,
     medusa_vllm_state_dict,
     save_medusa_original,
     save_medusa_vllm,
 )
-from models.medusa import MedusaConfig, MedusaDrafter
 from models.target import TargetModel
 from tests.conftest import run_to_end, tiny_llama, tiny_run_args
 from train.losses import position_targets, rank_hits

@@ -31,7 +31,7 @@ from eval.report import ReportConfig, run_report  # noqa: E402
 from models.acceptance import expected_tokens  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.eagle3 import Eagle3Drafter  # noqa: E402
-from models.export import save_sglang, save_speculators  # noqa: E402
+from models.eagle3_export import save_sglang, save_speculators  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
 from train.config import TrainConfig  # noqa: E402

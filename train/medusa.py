@@ -36,8 +36,8 @@ from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
 from infer.tree_search import best_rank_paths, expected_accepted  # noqa: E402
 from models.acceptance import expected_tokens  # noqa: E402
 from models.config import parse_cli  # noqa: E402
-from models.export import medusa_original_refusal, save_medusa_original, save_medusa_vllm  # noqa: E402
 from models.medusa import MedusaDrafter  # noqa: E402
+from models.medusa_export import medusa_original_refusal, save_medusa_original, save_medusa_vllm  # noqa: E402
 from models.target import TargetConfig  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
 from train.config import TrainConfig  # noqa: E402

@@ -39,8 +39,8 @@ from infer.mtp_proposer import input_signal  # noqa: E402
 from infer.tree_search import expected_accepted  # noqa: E402
 from models.acceptance import expected_tokens  # noqa: E402
 from models.config import parse_cli  # noqa: E402
-from models.export import mtp_engine_exports  # noqa: E402
 from models.mtp import BLOCK_INITS, INPUT_SIGNALS, MTPConfig, MTPDrafter  # noqa: E402
+from models.mtp_export import mtp_engine_exports  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
 from train.config import TrainConfig  # noqa: E402

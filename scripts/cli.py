@@ -77,15 +77,17 @@ def quickstart(argv: list[str]) -> None:
 
     import torch
 
-    from eval.measure import Candidate, MeasuredPrompt, measure, quiet_routing, serving_targets, stop_ids, write_report
+    from eval.measure import Candidate, MeasuredPrompt, measure
     from eval.prompts import builtin_prompts, chat_ids
+    from eval.report_md import write_report
     from infer.eagle3_proposer import Eagle3Proposer
     from infer.generate import generate_vanilla
     from infer.proposers import DraftModelProposer
     from infer.sampling import SamplingParams
+    from infer.serving import quiet_routing, serving_targets
     from models.checkpoint import read_checkpoint
     from models.eagle3 import Eagle3Drafter
-    from models.target import TargetConfig, TargetModel, load_tokenizer
+    from models.target import TargetConfig, TargetModel, load_tokenizer, stop_ids
 
     t0 = time.time()
     name = "smollm2-135m-instruct"
@@ -184,7 +186,7 @@ def precision(argv: list[str]) -> None:
     import torch
     from transformers import AutoConfig
 
-    from eval.measure import quiet_routing
+    from infer.serving import quiet_routing
     from models.precision import WORKLOADS, choose, machine
     from models.reference import resolve_target
 

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
-from eval.measure import alpha_of, stop_ids
 from eval.prompts import chat_ids, load_prompt_file
+from eval.rows import alpha_of
 from infer.eagle3_proposer import Eagle3Proposer
 from infer.generate import generate_speculative
 from infer.sampling import SamplingParams
 from models.config import parse_cli
 from models.eagle3 import Eagle3Drafter
+from models.target import stop_ids
 from train.distributed import make_accelerator
 from train.eagle3 import Eagle3RecipeConfig, evaluate
 from train.loop import load_target_and_data

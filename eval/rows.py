@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from infer.generate import GenerationStats, depth_tallies
 from models.acceptance import acceptance_rates
 
-if TYPE_CHECKING:  # eval.measure builds the candidates and imports this module
-    from eval.measure import Candidate
+
+class Method(Protocol):
+    """What a row says of the method it measured (`eval.measure.Candidate` is one; this module cannot import it,
+    eval.measure imports this one)."""
+
+    proposer: str
+    setting: str
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def lossy(self) -> bool: ...
 
 
 def alpha_of(stats: list[GenerationStats]) -> list[float]:
@@ -128,7 +139,7 @@ class RowContext:
 
 def rows_from_tallies(
     cell: CellTallies,
-    candidates: list[Candidate],
+    candidates: list[Method],
     context: RowContext,
     fp32: dict[tuple[int, str], Tally] | None = None,
 ) -> list[dict]:
@@ -247,7 +258,7 @@ def _round_fields(stats: list[GenerationStats], baseline_step: float) -> dict:
     }
 
 
-def _evidence(m: CategoryTally, fp32: Tally | None, cat: str, temp: float, served: str, c: Candidate | None) -> dict:
+def _evidence(m: CategoryTally, fp32: Tally | None, cat: str, temp: float, served: str, c: Method | None) -> dict:
     """A row's lossless evidence: greedy identity in the served dtype, its divergences split into explained by that
     dtype's rounding and unexplained (must be 0), and greedy identity in fp32 (the certificate pass, or the run
     itself when served in fp32). None where nothing was compared (T > 0)."""

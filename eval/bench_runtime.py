@@ -16,11 +16,13 @@ from pathlib import Path
 
 import torch
 
-from eval.measure import Candidate, MeasuredPrompt, measure, quiet_routing, serving_targets, stop_ids, write_report
+from eval.measure import Candidate, MeasuredPrompt, measure
 from eval.prompts import CATEGORIES, builtin_prompts, chat_ids
+from eval.report_md import write_report
 from infer.proposers import DraftModelProposer, PromptLookupProposer
+from infer.serving import quiet_routing, serving_targets
 from infer.tree_search import DynamicTreeConfig
-from models.target import TargetConfig, TargetModel, load_tokenizer
+from models.target import TargetConfig, TargetModel, load_tokenizer, stop_ids
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,7 +29,6 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from eval.measure import loop_context, prepare_target, quiet_routing
 from eval.stdlib_corpus import heldout_prompts
 from infer.batch_policy import BatchPolicy
 from infer.families import family_of, load_drafter
@@ -45,6 +44,7 @@ from infer.generate import (
 )
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
+from infer.serving import loop_context, prepare_target, quiet_routing
 from infer.tree import chain
 from infer.tree_search import DynamicTreeConfig
 from models.acceptance import expected_tokens

@@ -28,12 +28,12 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrained
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from eval.measure import prepare_target
 from infer.generate import DecodeState, generate_speculative, generate_vanilla, prefill, verify_tree
 from infer.kernels import cpu_linear
 from infer.kernels.shape_invariant import DEFAULT_ROWS, blocked_linear, install, invariant_attention, uninstall
 from infer.proposers import PromptLookupProposer
 from infer.sampling import SamplingParams
+from infer.serving import prepare_target
 from infer.tree import chain
 from models.target import DTYPES, TargetConfig, TargetModel
 from models.timing import Timing, timed

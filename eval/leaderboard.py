@@ -279,7 +279,7 @@ def evidence(rows: list[dict]) -> str:
     "greedy identical 25 % in bf16, all 3 divergences within bf16 rounding; fp32 100 %". A bare "bf16 0.25" read as
     "lossy" to newcomers, and per-category strings joined without their categories could not be told apart.
     Shares are weighted by each row's prompts; at T > 0 the claim is the accept rule's."""
-    from eval.measure import DTYPE_SHORT
+    from eval.report_md import DTYPE_SHORT
 
     if any(r["lossy"] for r in rows):
         return "lossy (typical acceptance): no identity claim"
@@ -675,9 +675,9 @@ def write_outputs(board: dict, out: Path) -> None:
 
 # -------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
-    from eval.measure import quiet_routing
     from eval.report import run_report
     from infer.families import load_drafter
+    from infer.serving import quiet_routing
     from models.checkpoint import read_checkpoint
     from models.loader import load_target
     from models.target import TargetConfig, load_tokenizer

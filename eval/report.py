@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from eval.cost_curve import (
+    BatchSizing,
     ChainSizing,
     TreeSizing,
     heldout_acceptance,
@@ -37,18 +38,9 @@ from eval.cost_curve import (
     tree_name,
     vanilla_check,
 )
-from eval.measure import (
-    Candidate,
-    MeasuredPrompt,
-    choose_vanilla_loop,
-    measure,
-    prepare_target,
-    quiet_routing,
-    serving_targets,
-    stop_ids,
-    write_report,
-)
+from eval.measure import Candidate, MeasuredPrompt, MeasurePlan, measure_plan
 from eval.prompts import CATEGORIES, builtin_prompts, encode_turns, load_prompt_file
+from eval.report_md import write_report
 from infer.batch_policy import BatchAwareProposer
 from infer.families import FAMILIES, family_of, load_drafter
 from infer.family import ChainSizer, DrafterFamily
@@ -57,12 +49,13 @@ from infer.hybrid import HybridProposer
 from infer.proposer import Proposer
 from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
+from infer.serving import quiet_routing, ready_targets, serving_targets
 from infer.tree_search import DynamicTreeConfig
 from models.checkpoint import read_checkpoint
 from models.config import parse_cli
 from models.draft_model import cut_target
 from models.loader import load_target
-from models.target import TargetConfig, TargetModel, load_tokenizer
+from models.target import TargetConfig, TargetModel, load_tokenizer, stop_ids
 
 PROMPT_SOURCES = ("builtin", "stdlib", "eval_data")
 DEFAULT_PROMPTS = 16
@@ -285,6 +278,95 @@ def baseline_draft_model(cfg: ReportConfig, target: TargetModel | None, log: Cal
     return cut_target(target, layers), "not distilled"
 
 
+SizedChain = tuple[str, Callable[[int], Proposer], ChainSizing]
+"""A chain sized on this machine: the proposer's name, how to build it at a length, and its sizing."""
+
+
+@dataclass
+class ReportPlan:
+    """What a report measures, decided before any timed run: the targets read and made ready once, the prompts,
+    every candidate (the drafters' settings, the sized chains' neighbours, the batch-aware row), HF's assisted peers,
+    the grid, and the sizings the report's checks compare with the measured rows."""
+
+    method: str
+    """The measured drafter's family (the report's title)."""
+    measurement: MeasurePlan
+    """The served target, vanilla's target (or None), prompts, stop ids, candidates, HF peers, temperatures, batch
+    sizes, max_new_tokens, repeats, the fp32-certificate flag and the drafters' dtype: `eval.measure.measure_plan`."""
+    prompt_set: str
+    """The prompt set in words."""
+    measured: list[Candidate]
+    """The drafters' own settings (the sized chains' owners among them)."""
+    chains: list[SizedChain] = field(default_factory=list)
+    tree_sizing: TreeSizing | None = None
+    batch_sizing: BatchSizing | None = None
+
+
+def plan_report(
+    target: TargetModel,
+    drafter: torch.nn.Module,
+    tokenizer,
+    cfg: ReportConfig,
+    drafter_dir: str | Path,
+    eval_set: Sequence[dict] | None = None,
+    log: Callable[[str], None] = print,
+    families: tuple[DrafterFamily, ...] = FAMILIES,
+) -> ReportPlan:
+    """Read the checkpoint's held-out acceptance and the serving choice, build the prompts, make the targets ready
+    (`ready_targets`, before sizing: the cost curve must see what the measurement will run), size the tree and the
+    chains on this machine, and gather the candidates (`run_report` documents the arguments)."""
+    method = family_of(drafter, families).method  # before any compute: an undeclared drafter class fails here
+    prior, _ = heldout_acceptance(drafter_dir)
+    target, vanilla_target = serving_targets(target, prior, log)
+    prompts, prompt_set = report_prompts(cfg, tokenizer, target, eval_set)
+    if not prompts:
+        raise ValueError(f"report: the prompt set ({prompt_set}) gave no prompts")
+    drafters = [drafter.to(target.device).eval()]
+    drafters += [load_drafter(path, target, tokenizer, families).eval() for path in cfg.compare]
+    log(
+        f"report: {len(prompts)} prompts ({prompt_set}), up to {cfg.max_new_tokens} new tokens (stop at EOS), "
+        f"T {cfg.temperatures}, bs {cfg.batch_sizes}"
+    )
+    eos = stop_ids(tokenizer, target.model)
+    ids = [p.ids for p in prompts]
+    ready_targets(target, vanilla_target, ids, cfg.batch_sizes, cfg.max_new_tokens, log)
+    tree_sizing = None
+    if cfg.chain_from_cost_curve and cfg.tree_total_tokens:
+        cfg, tree_sizing = _sized_tree(target, drafters, cfg, ids, eos, log, vanilla_target, families)
+    chains: list[SizedChain] = []
+
+    def sizer(folder: str | Path | None, proposer: str) -> ChainSizer:
+        prior, samples = heldout_acceptance(folder) if folder is not None else (None, 0)
+
+        def size(make: Callable[[int], Proposer], longest: int) -> int:
+            sized = size_chain(target, make, ids, longest, eos, log, prior, samples, baseline=vanilla_target)
+            chains.append((proposer, make, sized))
+            return sized.k
+
+        return size
+
+    folders = [drafter_dir, *cfg.compare, None]  # the last sizes the draft model: no checkpoint prior
+    names = [family_of(d, families).method for d in drafters] + ["draft model"]
+    measured = candidates(drafters, cfg, [sizer(f, n) for f, n in zip(folders, names)], target, log, families)
+    neighbours = _chain_neighbours(measured, chains) if cfg.chain_neighbours else []
+    batch_sizing, auto = _batch_auto(cfg, measured, chains, target, vanilla_target, ids, eos, log)
+    measurement = MeasurePlan(
+        target,
+        measured + neighbours + auto,
+        prompts,
+        eos,
+        temperatures=tuple(cfg.temperatures),
+        max_new_tokens=cfg.max_new_tokens,
+        batch_sizes=tuple(cfg.batch_sizes),
+        hf_assisted=_hf_peers(cfg, target, log),
+        fp32_certificate=cfg.fp32_certificate,
+        vanilla_target=vanilla_target,
+        drafter_dtype=_dtype_of(drafters[0]),
+        batch_repeats=cfg.batch_repeats,
+    )
+    return ReportPlan(method, measurement, prompt_set, measured, chains, tree_sizing, batch_sizing)
+
+
 def run_report(
     target: TargetModel,
     drafter: torch.nn.Module,
@@ -300,123 +382,101 @@ def run_report(
     """Measure ``drafter`` (of any family in ``families``) and ``cfg.compare`` and write report.json / report.md
     into ``out_dir``; returns the result rows. ``eval_set``: tokenised samples (``input_ids``, ``loss_mask``) for
     ``prompt_source=eval_data``. ``drafter_dir``: the drafter's checkpoint folder (default ``out_dir``), whose
-    held-out acceptance anchors the chain sizing."""
-    method = family_of(drafter, families).method  # before any compute: an undeclared drafter class fails here
-    prior, _ = heldout_acceptance(drafter_dir or out_dir)
-    target, vanilla_target = serving_targets(target, prior, log)
-    prompts, prompt_set = report_prompts(cfg, tokenizer, target, eval_set)
-    if not prompts:
-        raise ValueError(f"report: the prompt set ({prompt_set}) gave no prompts")
-    drafters = [drafter.to(target.device).eval()]
-    drafters += [load_drafter(path, target, tokenizer, families).eval() for path in cfg.compare]
-    folders = [drafter_dir or out_dir, *cfg.compare, None]  # the last sizes the draft model: no checkpoint prior
-    log(
-        f"report: {len(prompts)} prompts ({prompt_set}), up to {cfg.max_new_tokens} new tokens (stop at EOS), "
-        f"T {cfg.temperatures}, bs {cfg.batch_sizes}"
+    held-out acceptance anchors the chain sizing. Plan (`plan_report`), measure (`eval.measure.measure_plan`), then
+    the checks and the files."""
+    plan = plan_report(target, drafter, tokenizer, cfg, drafter_dir or out_dir, eval_set, log, families)
+    rows = measure_plan(plan.measurement, log)
+    checks = report_checks(plan, rows, log)
+    served = plan.measurement.target
+    write_report(
+        out_dir,
+        plan.method,
+        str(served.name_or_path),
+        rows,
+        prompt_set=plan.prompt_set,
+        notes=notes.strip(),
+        checks=checks,
+        precision=served.precision.as_dict(),
     )
-    eos = stop_ids(tokenizer, target.model)
-    ids = [p.ids for p in prompts]
-    for t in (target, vanilla_target):  # before sizing: its cost curve must see what the measurement will run
-        if t is not None:
-            prepare_target(t, log)  # the routed kernels
-            if 1 in cfg.batch_sizes:
-                choose_vanilla_loop(t, ids, cfg.max_new_tokens / 2, log)  # and the batch-1 vanilla loop
-    tree_sizing = None
-    if cfg.chain_from_cost_curve and cfg.tree_total_tokens:
-        cfg, tree_sizing = _sized_tree(target, drafters, cfg, ids, eos, log, vanilla_target, families)
-    chains: list[tuple[str, Callable[[int], Proposer], ChainSizing]] = []
+    log(f"report written to {out_dir}/report.md")
+    return rows
 
-    def sizer(folder: str | Path | None, proposer: str) -> ChainSizer:
-        prior, samples = heldout_acceptance(folder) if folder is not None else (None, 0)
 
-        def size(make: Callable[[int], Proposer], longest: int) -> int:
-            sized = size_chain(target, make, ids, longest, eos, log, prior, samples, baseline=vanilla_target)
-            chains.append((proposer, make, sized))
-            return sized.k
+def _batch_auto(
+    cfg: ReportConfig,
+    measured: list[Candidate],
+    chains: list[SizedChain],
+    target: TargetModel,
+    vanilla_target: TargetModel | None,
+    ids: list[list[int]],
+    eos: tuple[int, ...],
+    log: Callable[[str], None],
+) -> tuple[BatchSizing | None, list[Candidate]]:
+    """The batch-aware row (``report.batch_auto``): the first drafter's sized chain with its length chosen per batch
+    size (`size_batch_policy`), and that sizing; (None, []) where the report measures no batch above 1 or sized no
+    chain."""
+    if not (cfg.batch_auto and any(b > 1 for b in cfg.batch_sizes) and chains):
+        return None, []
+    name, make, sized = chains[0]  # the first drafter's chain
+    owner = _owner(measured, name, sized.k)
+    if owner is None:
+        return None, []
+    sizes = tuple(sorted({1, *cfg.batch_sizes}))
+    sizing = size_batch_policy(target, make, ids, sized.alpha, max(sized.rates), sizes, eos, log, vanilla_target)
+    policy = sizing.policy
+    # a batch the policy leaves off decodes with the faster vanilla there (a bf16 copy at batch 1 on CPUs whose bf16
+    # gemv is faster while fp32 verifies a tree for less)
+    off = {b: vanilla_target if f else None for b, f in sizing.baseline_faster.items()}
+    auto = Candidate(
+        owner.proposer,
+        f"auto ({policy.words()})",
+        lambda make=make, policy=policy, off=off: BatchAwareProposer(make, policy, off),
+        owner.spec,
+    )
+    return sizing, [auto]
 
-        return size
 
-    names = [family_of(d, families).method for d in drafters] + ["draft model"]
-    measured = candidates(drafters, cfg, [sizer(f, n) for f, n in zip(folders, names)], target, log, families)
-    neighbours = _chain_neighbours(measured, chains) if cfg.chain_neighbours else []
-    batch_sizing = None
-    if cfg.batch_auto and any(b > 1 for b in cfg.batch_sizes) and chains:
-        name, make, sized = chains[0]  # the first drafter's chain
-        owner = _owner(measured, name, sized.k)
-        if owner is not None:
-            sizes = tuple(sorted({1, *cfg.batch_sizes}))
-            batch_sizing = size_batch_policy(
-                target, make, ids, sized.alpha, max(sized.rates), sizes, eos, log, vanilla_target
-            )
-            policy = batch_sizing.policy
-            # a batch the policy leaves off decodes with the faster vanilla there (a bf16 copy at batch 1 on CPUs
-            # whose bf16 gemv is faster while fp32 verifies a tree for less)
-            off = {b: vanilla_target if f else None for b, f in batch_sizing.baseline_faster.items()}
-            neighbours.append(
-                Candidate(
-                    owner.proposer,
-                    f"auto ({policy.words()})",
-                    lambda make=make, policy=policy, off=off: BatchAwareProposer(make, policy, off),
-                    owner.spec,
-                )
-            )
-    assisted = {}
+def _hf_peers(cfg: ReportConfig, target: TargetModel, log: Callable[[str], None]) -> dict[str, dict]:
+    """HF's own assisted generation (``report.hf_assisted``): name → extra ``generate`` kwargs."""
+    assisted: dict[str, dict] = {}
     if cfg.hf_assisted:
         assisted["HF prompt lookup (10)"] = dict(prompt_lookup_num_tokens=10, max_matching_ngram_size=2)
         draft, how = baseline_draft_model(cfg, target, log)
         if draft is not None:
             assisted[f"HF assisted (draft model, {how})"] = dict(assistant_model=draft.to(target.device).eval())
-    rows = measure(
-        target,
-        measured + neighbours,
-        prompts,
-        eos,
-        temperatures=tuple(cfg.temperatures),
-        max_new_tokens=cfg.max_new_tokens,
-        batch_sizes=tuple(cfg.batch_sizes),
-        hf_assisted=assisted,
-        fp32_certificate=cfg.fp32_certificate,
-        vanilla_target=vanilla_target,
-        drafter_dtype=_dtype_of(drafters[0]),
-        batch_repeats=cfg.batch_repeats,
-        log=log,
-    )
+    return assisted
+
+
+def report_checks(plan: ReportPlan, rows: list[dict], log: Callable[[str], None] = print) -> dict:
+    """The report's checks beside the rows: each sizing's prediction against the measured speedup, the batch policy,
+    and the vanilla check (our batch-1 loop against its bare forward)."""
     checks = {}
-    if chains:
-        checks["sizing"] = _sizing_check(rows, measured, chains)
-    if tree_sizing is not None:
+    if plan.chains:
+        checks["sizing"] = _sizing_check(rows, plan.measured, plan.chains)
+    sized = plan.tree_sizing
+    if sized is not None:
         checks["tree_sizing"] = {
-            "setting": tree_name(tree_sizing.tree),
-            "pilot_tau": tree_sizing.tau,
-            "predicted_speedup": {n: tree_sizing.predicted_speedup(n) for n in tree_sizing.rates},
-            "verify_ms": {n: 1e3 * t for n, t in tree_sizing.verify_s.items()},
-            "vanilla_step_ms": 1e3 * tree_sizing.vanilla_step_s,
-            "summary": f"{tree_sizing.account()}; verify ms "
-            + " ".join(f"{n}:{1e3 * t:.0f}" for n, t in tree_sizing.verify_s.items())
+            "setting": tree_name(sized.tree),
+            "pilot_tau": sized.tau,
+            "predicted_speedup": {n: sized.predicted_speedup(n) for n in sized.rates},
+            "verify_ms": {n: 1e3 * t for n, t in sized.verify_s.items()},
+            "vanilla_step_ms": 1e3 * sized.vanilla_step_s,
+            "summary": f"{sized.account()}; verify ms "
+            + " ".join(f"{n}:{1e3 * t:.0f}" for n, t in sized.verify_s.items())
             + ".",
         }
-    if batch_sizing is not None:
+    if plan.batch_sizing is not None:
         checks["batch_policy"] = {
-            "policy": {str(b): k for b, k in batch_sizing.policy.lengths.items()},
-            "by_batch": {str(b): m for b, m in batch_sizing.by_batch.items()},
-            "summary": batch_sizing.account() + ".",
+            "policy": {str(b): k for b, k in plan.batch_sizing.policy.lengths.items()},
+            "by_batch": {str(b): m for b, m in plan.batch_sizing.by_batch.items()},
+            "summary": plan.batch_sizing.account() + ".",
         }
     first = next((r for r in rows if r["temperature"] == 0.0 and r["batch_size"] == 1 and r["category"] == "all"), None)
     if first is not None:
-        checks["vanilla_check"] = vanilla_check(target, [p.ids for p in prompts], first)
+        m = plan.measurement
+        checks["vanilla_check"] = vanilla_check(m.target, [p.ids for p in m.prompts], first)
         log(f"vanilla check: {checks['vanilla_check']['summary']}")
-    write_report(
-        out_dir,
-        method,
-        str(target.name_or_path),
-        rows,
-        prompt_set=prompt_set,
-        notes=notes.strip(),
-        checks=checks,
-        precision=target.precision.as_dict(),
-    )
-    log(f"report written to {out_dir}/report.md")
-    return rows
+    return checks
 
 
 def _dtype_of(module: torch.nn.Module) -> str:

@@ -258,7 +258,7 @@ def generate_vanilla(
 
     Batches use the shared left-padded slot layout with a 4D mask so rows never see each other's padding. Batch 1
     takes the loop ``target.vanilla_loop`` names: "plain" (`_vanilla_single`, no mask) or "masked" (the batched loop
-    on one row), whichever `eval.measure.choose_vanilla_loop` timed faster here. Neither wins everywhere: plain was
+    on one row), whichever `infer.serving.choose_vanilla_loop` timed faster here. Neither wins everywhere: plain was
     faster in fp32 on an AVX2 EPYC, masked in bf16 on an AVX-512-BF16 one (docs/decisions.md).
     """
     state = DecodeState(prompts, params, eos_ids, target.device)

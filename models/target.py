@@ -283,7 +283,7 @@ class TargetModel(nn.Module):
         self.vanilla_loop = "plain"
         """The batch-1 vanilla loop (`infer.generate.generate_vanilla`): "plain" or "masked"."""
         self.vanilla_loop_ms: dict[str, float] = {}
-        """What `eval.measure.choose_vanilla_loop` timed for that choice (ms by loop; empty until it runs)."""
+        """What `infer.serving.choose_vanilla_loop` timed for that choice (ms by loop; empty until it runs)."""
 
         if mode == "frozen":
             model.requires_grad_(False)
@@ -501,3 +501,10 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
         separators=(",", ":"),
     )
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+def stop_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> tuple[int, ...]:
+    """EOS of the tokenizer and of the model's generation config (a list for chat models such as Llama-3)."""
+    eos = model.generation_config.eos_token_id
+    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
+    return tuple(sorted(i for i in ids if i is not None))

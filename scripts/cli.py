@@ -88,8 +88,9 @@ def quickstart(argv: list[str]) -> None:
 
     import torch
 
-    from eval.measure import MeasuredPrompt, measure, write_report
+    from eval.measure import MeasuredPrompt, measure
     from eval.prompts import builtin_prompts, chat_ids
+    from eval.report_md import write_report
 
     t0 = time.time()
     name = "smollm2-135m-instruct"
@@ -116,9 +117,9 @@ def quick_target(name: str, dtype: str, t0: float) -> tuple[TargetModel, TargetM
     """(served target, the vanilla baseline's target, tokenizer, stop ids) of the quick start, in the precision
     policy's serving choice (models/precision.py; measured once per machine, then cached), sized with the first
     shipped drafter's held-out acceptance; ``dtype`` other than "fastest" makes it the user's choice."""
-    from eval.measure import quiet_routing, serving_targets, stop_ids
+    from infer.serving import quiet_routing, serving_targets
     from models.checkpoint import read_checkpoint
-    from models.target import TargetConfig, TargetModel, load_tokenizer
+    from models.target import TargetConfig, TargetModel, load_tokenizer, stop_ids
 
     tokenizer = load_tokenizer(name)
     shipped_acceptance = read_checkpoint(SHIPPED_DRAFTERS[0])[1].heldout_acceptance if SHIPPED_DRAFTERS else None
@@ -220,7 +221,7 @@ def precision(argv: list[str]) -> None:
     import torch
     from transformers import AutoConfig
 
-    from eval.measure import quiet_routing
+    from infer.serving import quiet_routing
     from models.precision import WORKLOADS, choose, machine
     from models.reference import resolve_target
 

@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from eval.measure import alpha_of, stop_ids
 from eval.prompts import chat_ids, load_prompt_file
+from eval.rows import alpha_of
 from infer.families import family_of, load_drafter
 from infer.generate import generate_speculative
 from infer.proposer import Proposer
 from infer.sampling import SamplingParams
 from models.config import parse_cli
-from models.target import TargetModel
+from models.target import TargetModel, stop_ids
 from train.distributed import make_accelerator
 from train.loop import load_target_and_data
 from train.recipes import TrainingEntry, entry_of

@@ -65,7 +65,7 @@ def test_sampled_calls_under_the_policy_keep_vanilla_s_seeded_draws_when_off(tin
 
 
 def test_size_batch_policy_measures_every_batch_size_and_records_its_costs(tiny_target, tiny_draft):
-    from eval.measure import dtype_copy
+    from infer.serving import dtype_copy
 
     logs = []
     sizing = size_batch_policy(
@@ -103,7 +103,7 @@ def test_a_category_smaller_than_the_batch_is_cycled_to_fill_it():
 
 
 def test_a_call_left_off_decodes_on_the_faster_vanilla_copy_the_policy_names(tiny_target):
-    from eval.measure import dtype_copy
+    from infer.serving import dtype_copy
 
     bf16 = dtype_copy(tiny_target, torch.bfloat16, lambda m: None)
     policy = BatchPolicy({1: 2, 4: 0})

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-from eval.measure import stop_ids
 from eval.report import ReportConfig, report_prompts, run_report
 from infer.families import FAMILIES, family_of, load_drafter, lookup
 from infer.family import ChainSizer, DrafterFamily, ProposerSetting, ReportSettings
@@ -26,7 +25,7 @@ from models.checkpoint import TargetInfo, read_checkpoint, read_weights, write_c
 from models.eagle3 import Eagle3Drafter
 from models.medusa import MedusaDrafter
 from models.mtp import MTPDrafter
-from models.target import TargetConfig, TargetModel, load_tokenizer
+from models.target import TargetConfig, TargetModel, load_tokenizer, stop_ids
 from tests.conftest import ROOT
 
 # ---------------------------------------------------------------------------------------- a toy family

@@ -6,7 +6,8 @@ from itertools import zip_longest
 import pytest
 import torch
 
-from eval.measure import Candidate, MeasuredPrompt, hf_generate, measure, write_report
+from eval.measure import Candidate, MeasuredPrompt, hf_generate, measure
+from eval.report_md import write_report
 from infer.generate import generate_vanilla
 from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
@@ -79,7 +80,7 @@ def test_rows_per_category_and_the_greedy_certificate(tiny_target, tiny_draft, m
 def test_vanilla_in_its_fastest_dtype_is_the_baseline_when_serving_in_another(tiny_target, tmp_path):
     """Speculation served in fp32 with vanilla also timed on a bf16 copy: the speedup is over the faster of the two,
     greedy identity is judged against the served dtype's vanilla, and the rows say which dtype the baseline ran in."""
-    from eval.measure import dtype_copy
+    from infer.serving import dtype_copy
 
     other = dtype_copy(tiny_target, torch.bfloat16, lambda m: None)
     cands = [Candidate("self-draft", "chain 2", lambda: DraftModelProposer(tiny_target.model, k=2))]
@@ -188,7 +189,7 @@ def test_sizing_predicts_against_the_faster_vanilla_of_the_two_dtypes(tiny_targe
     """With vanilla's target in another dtype (the report's baseline), a sizing's predicted speedup is over the
     faster of the two vanilla steps, as the measured speedup is."""
     from eval.cost_curve import _fastest_vanilla, vanilla_step_cost
-    from eval.measure import dtype_copy
+    from infer.serving import dtype_copy
 
     other = dtype_copy(tiny_target, torch.bfloat16, lambda m: None)
     assert _fastest_vanilla(1e-12, other, PROMPTS[0]) == 1e-12  # the served step was faster
@@ -202,13 +203,13 @@ def test_batch1_vanilla_takes_the_loop_timed_faster_and_a_dtype_copy_chooses_ane
     import time
 
     import eval.cost_curve as cost_curve
-    import eval.measure as measure_mod
+    import infer.serving as serving
     from eval.cost_curve import step_costs
-    from eval.measure import choose_vanilla_loop, dtype_copy
+    from infer.serving import choose_vanilla_loop, dtype_copy
 
     monkeypatch.setattr(tiny_target, "vanilla_loop", "plain")
     monkeypatch.setattr(tiny_target, "vanilla_loop_ms", {})
-    real = measure_mod.vanilla_steps
+    real = serving.vanilla_steps
     for slow, fast in (("plain", "masked"), ("masked", "plain")):
 
         def steps(target, context, slow=slow):
@@ -217,7 +218,7 @@ def test_batch1_vanilla_takes_the_loop_timed_faster_and_a_dtype_copy_chooses_ane
             got[slow] = lambda: (time.sleep(0.02), step())
             return got
 
-        monkeypatch.setattr(measure_mod, "vanilla_steps", steps)
+        monkeypatch.setattr(serving, "vanilla_steps", steps)
         monkeypatch.setattr(cost_curve, "vanilla_steps", steps)
         ms = choose_vanilla_loop(tiny_target, PROMPTS, 8, lambda m: None)
         assert tiny_target.vanilla_loop == fast and ms[slow] > 20 > ms[fast] and tiny_target.vanilla_loop_ms == ms

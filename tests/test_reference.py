@@ -143,14 +143,13 @@ def test_evaluation_prompts_are_disjoint_from_the_shipped_training_data():
 def test_smollm2_loads_and_eagle3_is_greedy_identical_to_vanilla():
     """The reference target by its short name; an EAGLE-3 drafter (shipped, or an untrained one) as a chain and as
     a tree reproduces vanilla greedy decoding on two chat prompts, answers stopping at <|im_end|>."""
-    from eval.measure import stop_ids
     from eval.prompts import chat_ids
     from infer.eagle3_proposer import Eagle3Proposer
     from infer.generate import generate_speculative, generate_vanilla
     from infer.sampling import SamplingParams
     from infer.tree_search import DynamicTreeConfig
     from models.eagle3 import Eagle3Drafter
-    from models.target import TargetConfig, TargetModel, load_tokenizer, tokenizer_fingerprint
+    from models.target import TargetConfig, TargetModel, load_tokenizer, stop_ids, tokenizer_fingerprint
 
     tok = load_tokenizer(REFERENCE_NAME)
     target = TargetModel.from_config(TargetConfig(name_or_path=REFERENCE_NAME, dtype="float32", device="cpu"))

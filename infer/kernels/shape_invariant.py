@@ -163,7 +163,7 @@ def rows_of(model: PreTrainedModel) -> int | None:
 
 def install(model: PreTrainedModel, rows: int = DEFAULT_ROWS) -> None:
     """Turn the mode on for every forward of ``model`` (an HF model using ``AttentionInterface``): linear layers in
-    blocks of ``rows`` rows, `invariant_attention`. Install cpu_linear's routing (eval.measure.prepare_target)
+    blocks of ``rows`` rows, `invariant_attention`. Install cpu_linear's routing (infer.serving.prepare_target)
     before, not after: the mode wraps each linear's forward as it finds it. `uninstall` restores both."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")

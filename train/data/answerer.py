@@ -10,7 +10,7 @@ Chat data (`train.data.target_written`), regeneration of an existing chat datase
 How it runs: the project's KV-cached vanilla loop with continuous batching (`infer.generate.decode_continuous`: a
 finished row's slot takes the next prompt at once, so a batch never idles down to its longest answer, and new
 prompts join in groups of similar length, so little is left-padded), in the dtype the caller loaded the target in
-(the precision policy's ``distill`` choice by default). Kernel routing (`eval.measure.prepare_target`) is the
+(the precision policy's ``distill`` choice by default). Kernel routing (`infer.serving.prepare_target`) is the
 caller's to install: the entry points that only answer do; a training run's self-distillation does not, because the
 routing's layouts are chosen by timing and the run's target must compute the same numbers in every run. Every ``batch_size`` finished jobs become one shard file, written atomically
 (``shard-r<rank>-<n>.jsonl.gz``), so a crash loses at most the jobs in flight and a rerun skips every job already in a
@@ -38,10 +38,10 @@ import jinja2
 import torch
 from tqdm.auto import tqdm
 
-from eval.measure import prepare_target, stop_ids  # prepare_target: the entry points below
 from infer.generate import decode_continuous
 from infer.sampling import SamplingParams
-from models.target import TargetModel
+from infer.serving import prepare_target  # prepare_target: the entry points below
+from models.target import TargetModel, stop_ids
 from models.timing import gemm_gflops, gemm_seconds
 from train.data.chat_render import end_of_turn_token_ids, render
 

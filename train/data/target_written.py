@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from eval.measure import prepare_target
 from eval.stdlib_corpus import split_files, stdlib_files
 from infer.generate import decode_continuous
 from infer.sampling import SamplingParams
+from infer.serving import prepare_target
 from models.target import TargetModel
 from train.data.answerer import AnswerConfig, Job, answer, rank_and_world, read_shards
 from train.data.chat_render import end_of_turn_token_ids, render

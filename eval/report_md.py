@@ -1,0 +1,158 @@
+"""Writing a report: ``report.json`` (the rows of `eval.measure.measure` with the report's checks) and ``report.md``.
+
+Schema (shared by all recipes)::
+
+    {"method": "...", "target": "<name_or_path>", "prompt_set": "...", "created": "...", "machine": {...},
+     "precision": {...}, <checks>, "results": [{"proposer": "prompt lookup", "setting": "chain 10",
+     "category": "all", "temperature": 0.0, "batch_size": 1, "tau": 3.1, "speedup": 2.2, "tokens_per_s": ...,
+     "vanilla_tokens_per_s": ..., "alpha": [...], "greedy_identical": 1.0, "divergences": [...], "prompts": 16,
+     "max_new_tokens": 128, "lossy": false}, ...]}
+
+The markdown puts every row's lossless evidence in words (`evidence_words`), the precision sentence
+(`precision_words`) and every unexplained divergence beside the table.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from models.precision import machine
+
+DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def evidence_words(r: dict) -> str:
+    """A row's lossless evidence in words: "bf16 0.31 (11 diverged: 11 within bf16 rounding, 0 unexplained);
+    fp32 1.00"."""
+    if r["lossy"]:
+        return "lossy (typical acceptance): no identity claim"
+    if r["greedy_identical"] is None:
+        return "–"
+    dt = DTYPE_SHORT.get(r["dtype"], r["dtype"])
+    words = f"{dt} {r['greedy_identical']:.2f}"
+    if r["divergences"]:
+        words += (
+            f" ({len(r['divergences'])} diverged: {r['explained_divergences']} within {dt} rounding, "
+            f"{len(r['divergences']) - r['explained_divergences']} unexplained)"
+        )
+    if r["dtype"] != "float32":
+        fp32 = "not run" if r["greedy_identical_fp32"] is None else f"{r['greedy_identical_fp32']:.2f}"
+        unexplained_fp32 = sum(not d["explained"] for d in r["fp32_divergences"])
+        words += f"; fp32 {fp32}" + (f" ({unexplained_fp32} unexplained)" if unexplained_fp32 else "")
+    return words
+
+
+def _divergence_lines(rows: list[dict]) -> list[str]:
+    """Every unexplained divergence by prompt, position, both tokens, the replayed gap and the band."""
+    out = []
+    for r in rows:
+        if r["category"] != "all" and any(x["category"] == "all" for x in rows):
+            continue  # the "all" rows hold every divergence once
+        for d in r["divergences"] + r["fp32_divergences"]:
+            if d["explained"]:
+                continue
+            prompt = d["prompts"][d["row"]] if d.get("prompts") else f"batch {d['batch']} row {d['row']}"
+            gap = "none (one output is a prefix of the other)" if d["gap"] is None else f"{d['gap']:.4g}"
+            band = "–" if d["band"] is None else f"{d['band']:.3g}"
+            out.append(
+                f"- {r['proposer']} ({r['setting']}), T {r['temperature']}, bs {r['batch_size']}, {d['served_dtype']}: "
+                f"prompt {prompt or d['batch']}, position {d['position']}, vanilla token {d['vanilla_token']} vs "
+                f"{d['candidate_token']}, gap {gap} in {d['replay_dtype']} (band {band})"
+            )
+    return out
+
+
+def write_report(
+    out_dir: str | Path,
+    method: str,
+    target_name: str,
+    rows: list[dict],
+    prompt_set: str = "",
+    notes: str = "",
+    checks: dict | None = None,
+    precision: dict | None = None,
+) -> None:
+    """``report.json`` (schema above; ``checks`` such as the vanilla check go in as they are; ``precision``: the
+    serving choice's `PrecisionChoice.as_dict`) and ``report.md``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = rows[0]["machine"] if rows else ""
+    where = machine(device="cuda" if torch.cuda.is_available() and "cuda" in device.lower() else "cpu").as_dict()
+    report = {
+        "method": method,
+        "target": target_name,
+        "prompt_set": prompt_set,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": where,
+        "precision": precision,
+        **(checks or {}),
+        "results": rows,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        f"# {method} report",
+        "",
+        f"Target: `{target_name}`. Prompts: {prompt_set}. Machine: {where['words']}.",
+        "",
+        precision_words(rows, precision),
+        "",
+        *([notes, ""] if notes else []),
+        "| category | proposer | setting | T | bs | dtype | τ | speedup | predicted | tokens/s | vanilla tokens/s "
+        "(dtype) | α | greedy identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tau = "–" if r["tau"] is None else f"{r['tau']:.2f}"
+        pred = "–" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x"
+        lines.append(
+            f"| {r['category']} | {r['proposer']}{' (lossy)' if r['lossy'] else ''} | {r['setting']} | "
+            f"{r['temperature']} | {r['batch_size']} | {_short(r['dtype'])} | {tau} | {r['speedup']:.2f}x | {pred} | "
+            f"{r['tokens_per_s']:.1f} | {r['vanilla_tokens_per_s']:.1f} ({_short(r['vanilla_dtype'])}) | "
+            f"{' '.join(f'{a:.2f}' for a in r['alpha'][:8])} | {evidence_words(r)} |"
+        )
+    lines += [
+        "",
+        "**Greedy identity** (T = 0) compares every answer with vanilla's. Where one diverges, the common prefix is "
+        "replayed one precision up (fp32 for bf16, fp64 for fp32): a divergence is *within rounding* when the two "
+        "tokens' exact logit gap is inside the served dtype's rounding band there (twice the served dtype's own "
+        "error on that gap plus 2 ulps at that logit magnitude; `infer/certificate.py`), and *unexplained* "
+        "otherwise, which would be a bug. Below fp32, the same methods and prompts are also run in fp32, where they "
+        "must be identical.",
+    ]
+    unexplained = _divergence_lines(rows)
+    lines += ["", "Unexplained divergences:", "", *unexplained] if unexplained else []
+    for name, check in (checks or {}).items():
+        if isinstance(check, dict) and "summary" in check:
+            lines += ["", f"**{name.replace('_', ' ').capitalize()}**: {check['summary']}"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _short(dtype: str) -> str:
+    return DTYPE_SHORT.get(dtype, dtype)
+
+
+def precision_words(rows: list[dict], precision: dict | None) -> str:
+    """The report's precision sentence: the dtypes of target, drafters and the vanilla baseline, and why."""
+    served = sorted({_short(r["dtype"]) for r in rows})
+    drafters = sorted({_short(r["drafter_dtype"]) for r in rows})
+    vanilla = sorted({_short(r["vanilla_dtype"]) for r in rows})
+    words = f"**Precision**: target served in {', '.join(served)}, drafters in {', '.join(drafters)}; the vanilla "
+    words += f"baseline (the fastest of our loop and HF generate) ran in {', '.join(vanilla)}"
+    if vanilla != served:
+        words += " (speculation runs in another dtype than the fastest vanilla: identity is judged in the served dtype)"
+    loop = next((r for r in rows if r["batch_size"] == 1 and r["vanilla_loop_ms"]), None)
+    if loop is not None:
+        ms = loop["vanilla_loop_ms"]
+        words += (
+            f"; at batch 1 our vanilla ran its {loop['vanilla_loop']} loop, timed faster here in {_short(loop['dtype'])}"
+            f" (one-token forward: {', '.join(f'{name} {t:.1f} ms' for name, t in ms.items())})"
+        )
+    if precision:
+        how = {"user": "the user", "cached": "the precision policy, measured earlier on this machine"}
+        words += f". Chosen by {how.get(precision['source'], 'the precision policy, ' + precision['source'])}: "
+        words += precision["reason"]
+    return words + "."

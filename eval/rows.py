@@ -1,0 +1,289 @@
+"""The rows of a measurement, from what its timing loop counted: a pure step (no timing, no model).
+
+`eval.measure.time_cell` fills one `CellTallies` per (temperature, batch size): per method and category the tokens,
+seconds and loop counters of its generate calls and the identity counts against vanilla. `rows_from_tallies` turns
+one into result rows (DESIGN.md §4): τ (bonus included) and α from the loops' counters, speedup over the fastest
+vanilla baseline measured (our loop or HF ``generate``, in either dtype), the predicted speedup over the faster
+vanilla step, and the lossless evidence. Kept apart so that row building is tested on hand-made tallies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from infer.generate import GenerationStats, depth_tallies
+from models.acceptance import acceptance_rates
+
+
+class Method(Protocol):
+    """What a row says of the method it measured (`eval.measure.Candidate` is one; this module cannot import it,
+    eval.measure imports this one)."""
+
+    proposer: str
+    setting: str
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def lossy(self) -> bool: ...
+
+
+def alpha_of(stats: list[GenerationStats]) -> list[float]:
+    """Per-depth acceptance α_k aggregated over generate calls (DESIGN.md §4)."""
+    return acceptance_rates(*depth_tallies(stats))
+
+
+@dataclass
+class CategoryTally:
+    """What one method's generate calls in one category added up to."""
+
+    tokens: int = 0
+    """New tokens emitted."""
+    seconds: float = 0.0
+    """Wall time of those calls."""
+    stats: list[GenerationStats] = field(default_factory=list)
+    """Our loops' counters, one per call (none for HF ``generate``, which reports no rounds)."""
+    same: int = 0
+    """Rows token-identical to vanilla's (T = 0)."""
+    compared: int = 0
+    """Rows compared with vanilla's (T = 0)."""
+    divergences: list[dict] = field(default_factory=list)
+    """Each row that differed, with its certificate (`identity`)."""
+    calls: list[list[float]] = field(default_factory=list)
+    """[mean prompt tokens, new tokens, rounds] per call: τ against prompt length (the leaderboard's plot)."""
+
+
+@dataclass
+class Tally:
+    """One method at one (temperature, batch size), by category."""
+
+    by_category: dict[str, CategoryTally] = field(default_factory=dict)
+
+    def add(
+        self,
+        category: str,
+        tokens: int,
+        seconds: float,
+        stats: GenerationStats | None = None,
+        same: int = 0,
+        compared: int = 0,
+        divergences: list[dict] | None = None,
+        prompt_tokens: float | None = None,
+    ) -> None:
+        t = self.by_category.setdefault(category, CategoryTally())
+        t.tokens += tokens
+        t.seconds += seconds
+        if stats is not None:
+            t.stats.append(stats)
+            if prompt_tokens is not None:
+                t.calls.append([prompt_tokens, stats.new_tokens, stats.rounds])
+        t.same += same
+        t.compared += compared
+        t.divergences += divergences or []
+
+    def merged(self, category: str) -> CategoryTally:
+        """One category's tally, or every category's summed for "all"; empty where the method made no call (HF
+        ``generate`` at batch sizes above 1)."""
+        if category != "all":
+            return self.by_category.get(category, CategoryTally())
+        out = CategoryTally()
+        for t in self.by_category.values():
+            for f in dataclasses.fields(CategoryTally):
+                setattr(out, f.name, getattr(out, f.name) + getattr(t, f.name))
+        return out
+
+
+@dataclass
+class CellTallies:
+    """What the timing loop counted at one (temperature, batch size): the input of `rows_from_tallies`."""
+
+    temperature: float
+    batch_size: int
+    repeats: int
+    """Times every batch was decoded (`MeasurePlan.batch_repeats` above batch 1)."""
+    prompts: dict[str, int]
+    """Prompts per category in one round of batches (a category cycled to fill a batch counts its repeats)."""
+    vanilla: Tally = field(default_factory=Tally)
+    """Our vanilla loop on the served target."""
+    hf: Tally = field(default_factory=Tally)
+    """HF ``generate`` on the served target (bs 1)."""
+    vanilla_other: Tally = field(default_factory=Tally)
+    """Our vanilla loop in vanilla's fastest dtype (with a `MeasurePlan.vanilla_target`)."""
+    hf_other: Tally = field(default_factory=Tally)
+    methods: dict[str, Tally] = field(default_factory=dict)
+    """By `Candidate.key`."""
+    assisted: dict[str, Tally] = field(default_factory=dict)
+    """HF's assisted peers by name (bs 1)."""
+    repeat_tokens_per_s: dict[int, list[float]] = field(default_factory=dict)
+    """Batch index → vanilla's tokens/s in each repeat."""
+
+
+@dataclass
+class RowContext:
+    """What rows say beside the tallies: the dtypes, the machine, the batch's vanilla loop."""
+
+    served: str
+    """The served target's dtype, e.g. "bfloat16"."""
+    drafter_dtype: str
+    other_dtype: str | None
+    """Vanilla's other target's dtype (`MeasurePlan.vanilla_target`), None without one."""
+    machine: str
+    max_new_tokens: int
+    vanilla_loop: str
+    """Which of our vanilla loops ran (batch 1: the one timed faster; above: the masked one)."""
+    vanilla_loop_ms: dict[str, float]
+
+
+def rows_from_tallies(
+    cell: CellTallies,
+    candidates: list[Method],
+    context: RowContext,
+    fp32: dict[tuple[int, str], Tally] | None = None,
+) -> list[dict]:
+    """The result rows of one (temperature, batch size): for all prompts and (with more than one category) each
+    category, one row per candidate and HF-assisted peer. Pure: counts and seconds in, rows out (no timing, no
+    model). ``fp32``: the certificate pass's tallies by (batch size, candidate key) (`fp32_pass`)."""
+    cats = sorted(cell.prompts)
+    rows = []
+    for cat in ["all", *cats] if len(cats) > 1 else ["all"]:
+        common, base, baseline_step = _common_fields(cell, cat, context)
+        named = [(c.proposer, c.setting, cell.methods[c.key], c) for c in candidates]
+        named += [(name, "HF generate", tally, None) for name, tally in cell.assisted.items()]
+        for proposer, setting, tally, c in named:
+            m = tally.merged(cat)
+            certificate = (fp32 or {}).get((cell.batch_size, c.key)) if c else None
+            row = {
+                "proposer": proposer,
+                "setting": setting,
+                **common,
+                "new_tokens": m.tokens,
+                "tokens_per_s": m.tokens / m.seconds,
+                "speedup": (m.tokens / m.seconds) / base,
+                **_evidence(m, certificate, cat, cell.temperature, context.served, c),
+                "lossy": bool(c and c.lossy),
+                # HF's assisted generation reports no rounds: no τ, α or step costs for those rows
+                "tau": None,
+                "alpha": [],
+                "predicted_speedup": None,
+                "step_ms": None,
+                "per_call": m.calls,  # [mean prompt tokens, new tokens, rounds] per generate call
+            }
+            if m.stats:
+                row |= _round_fields(m.stats, baseline_step)
+            rows.append(row)
+    return rows
+
+
+def _tokens_per_s(t: CategoryTally) -> float | None:
+    return t.tokens / t.seconds if t.seconds else None
+
+
+def _common_fields(cell: CellTallies, cat: str, context: RowContext) -> tuple[dict, float, float]:
+    """The fields every row of (cell, category) shares (the baselines, vanilla's costs, the precision), the
+    baseline tokens/s speedups are over and the vanilla step predictions are over."""
+    v, h = cell.vanilla.merged(cat), cell.hf.merged(cat)
+    vanilla_tps = v.tokens / v.seconds
+    hf_tps = _tokens_per_s(h)
+    baselines = {context.served: max(vanilla_tps, hf_tps or 0.0)}
+    if context.other_dtype is not None:
+        vo, ho = cell.vanilla_other.merged(cat), cell.hf_other.merged(cat)
+        baselines[context.other_dtype] = max(vo.tokens / vo.seconds, _tokens_per_s(ho) or 0.0)
+    vanilla_dtype = max(baselines, key=baselines.get)
+    base = baselines[vanilla_dtype]
+    n_prompts = sum(n for c, n in cell.prompts.items() if cat in ("all", c))
+    # one vanilla step (a target forward over one token per row), the t_target(1) of DESIGN.md §4
+    vanilla_rounds = max(1, sum(s.rounds for s in v.stats))
+    vanilla_step = sum(s.verify_s for s in v.stats) / vanilla_rounds
+    # predictions are over the faster of the two dtypes' vanilla steps, as the measured speedup is
+    baseline_step = vanilla_step
+    if context.other_dtype is not None:
+        rounds = max(1, sum(s.rounds for s in vo.stats))
+        baseline_step = min(vanilla_step, sum(s.verify_s for s in vo.stats) / rounds)
+    spreads = ((max(t) - min(t)) / (sum(t) / len(t)) for t in cell.repeat_tokens_per_s.values() if len(t) > 1)
+    common = {
+        "category": cat,
+        "temperature": cell.temperature,
+        "batch_size": cell.batch_size,
+        "dtype": context.served,
+        "drafter_dtype": context.drafter_dtype,
+        "vanilla_dtype": vanilla_dtype,
+        "vanilla_tokens_per_s_by_dtype": baselines,
+        "machine": context.machine,
+        "vanilla_new_tokens": v.tokens,
+        "vanilla_tokens_per_s": base,
+        "our_vanilla_tokens_per_s": vanilla_tps,
+        "hf_generate_tokens_per_s": hf_tps,
+        "vanilla_mean_answer_tokens": v.tokens / (n_prompts * cell.repeats),
+        "batch_repeats": cell.repeats,
+        "vanilla_repeat_spread": max(spreads, default=None),
+        # at batch 1: which of our two vanilla loops ran, and what their one-token forwards cost
+        "vanilla_loop": context.vanilla_loop,
+        "vanilla_loop_ms": context.vanilla_loop_ms,
+        "prompts": n_prompts,
+        "max_new_tokens": context.max_new_tokens,
+        # where vanilla's time goes: the forward per step, sampling and bookkeeping per step, prefill
+        "vanilla_ms": {
+            "forward": 1e3 * vanilla_step,
+            "bookkeeping": 1e3 * sum(s.bookkeeping_s for s in v.stats) / vanilla_rounds,
+            "prefill_total": 1e3 * sum(s.prefill_s for s in v.stats),
+            "total": 1e3 * v.seconds,
+        },
+    }
+    return common, base, baseline_step
+
+
+def _round_fields(stats: list[GenerationStats], baseline_step: float) -> dict:
+    """τ, α, the depth tallies, the verify steps and the predicted speedup and step costs of our loop's calls."""
+    merged = GenerationStats(
+        new_tokens=sum(s.new_tokens for s in stats),
+        row_forwards=sum(s.row_forwards for s in stats),
+        rounds=sum(s.rounds for s in stats),
+        draft_s=sum(s.draft_s for s in stats),
+        verify_s=sum(s.verify_s for s in stats),
+        bookkeeping_s=sum(s.bookkeeping_s for s in stats),
+    )
+    accepted, attempted = depth_tallies(stats)
+    return {
+        "tau": merged.tau,
+        "alpha": alpha_of(stats),
+        "predicted_speedup": merged.predicted_speedup(baseline_step),
+        "step_ms": {k: 1e3 * x for k, x in merged.step_costs().items()} | {"vanilla": 1e3 * baseline_step},
+        "accepted_at_depth": accepted,
+        "attempted_at_depth": attempted,
+        # every target forward of a row, drafted or not: the unconditional acceptance's denominator
+        "verify_steps": merged.row_forwards,
+    }
+
+
+def _evidence(m: CategoryTally, fp32: Tally | None, cat: str, temp: float, served: str, c: Method | None) -> dict:
+    """A row's lossless evidence: greedy identity in the served dtype, its divergences split into explained by that
+    dtype's rounding and unexplained (must be 0), and greedy identity in fp32 (the certificate pass, or the run
+    itself when served in fp32). None where nothing was compared (T > 0)."""
+    if temp != 0.0 or not m.compared or (c is not None and c.lossy):
+        return {
+            "greedy_identical": None,
+            "greedy_identical_fp32": None,
+            "explained_divergences": None,
+            "unexplained_divergences": None,
+            "divergences": [],
+            "fp32_divergences": [],
+        }
+    f = fp32.merged(cat) if fp32 is not None else None
+    if served == "float32":
+        identical_fp32, fp32_div = m.same / m.compared, []
+    elif f is not None and f.compared:
+        identical_fp32, fp32_div = f.same / f.compared, f.divergences
+    else:  # skipped (report.fp32_certificate=false), lossy, or an outside peer's row
+        identical_fp32, fp32_div = None, []
+    explained = sum(d["explained"] for d in m.divergences)
+    return {
+        "greedy_identical": m.same / m.compared,
+        "greedy_identical_fp32": identical_fp32,
+        "explained_divergences": explained,
+        "unexplained_divergences": len(m.divergences) - explained + sum(not d["explained"] for d in fp32_div),
+        "divergences": m.divergences,
+        "fp32_divergences": fp32_div,
+    }

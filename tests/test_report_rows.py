@@ -1,0 +1,211 @@
+"""The report's rows, everything but timing, pinned: `eval.report.run_report` on the tiny chat target, compared
+field by field with ``tests/data/report_rows.json``, which the report wrote before its steps were split into a plan
+(reading, serving, sizing, candidates), the timing loop and the row building. Anything the split changes in what is
+measured (a proposer, a setting, a prompt, a token count, an acceptance tally, the identity evidence) fails here.
+
+Regenerate the file only when a change of the rows is meant::
+
+    DRAFTERS_WRITE_GOLDEN=1 python -m pytest -q tests/test_report_rows.py -k golden
+
+Timing decides nothing in these rows: the chain length and tree are fixed (``chain_from_cost_curve`` off), the target
+is pinned to fp32 (greedy answers and T = 1 draws seeded per batch), and the HF rows at T > 0, which draw from torch's
+global generator, keep only what does not depend on the draw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from eval.report import ReportConfig, run_report
+from models.eagle3 import Eagle3Drafter
+from models.mtp import MTPDrafter
+from models.target import TargetConfig, TargetModel, load_tokenizer
+from tests.conftest import ROOT
+
+GOLDEN = ROOT / "tests" / "data" / "report_rows.json"
+FIELDS = (
+    "proposer",
+    "setting",
+    "category",
+    "temperature",
+    "batch_size",
+    "tau",
+    "alpha",
+    "accepted_at_depth",
+    "attempted_at_depth",
+    "verify_steps",
+    "new_tokens",
+    "vanilla_new_tokens",
+    "greedy_identical",
+    "prompts",
+    "lossy",
+    "max_new_tokens",
+    "evidence",
+)
+"""What the golden file keeps of each row (``evidence``: `evidence_words` of the row)."""
+QUESTIONS = [
+    {"question_id": "w1", "category": "writing", "turns": ["Write a short note about the sea."]},
+    {"question_id": "w2", "category": "writing", "turns": ["Describe a quiet morning.", "Now make it shorter."]},
+    {"question_id": "c1", "category": "coding", "turns": ["def add(a, b):\n    return a + b\nExplain this function."]},
+]
+"""Two categories (rows for all prompts and for each), one question with two turns."""
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+)
+
+
+def report_rows(root: Path, out: Path) -> list[dict]:
+    """The report of a seeded EAGLE-3 drafter (chain and EAGLE-2 tree) beside an MTP one, the undistilled cut as a
+    draft model and HF's assisted peers, on `QUESTIONS` at T 0 and 1 (batch size 1): the rows' kept
+    fields (`FIELDS`)."""
+    from eval.report_md import evidence_words
+
+    path = str(root / "target")
+    target = TargetModel.from_config(TargetConfig(name_or_path=path, dtype="float32", device="cpu"))
+    tokenizer = load_tokenizer(path)
+    tokenizer.chat_template = CHAT_TEMPLATE  # the recipe fixture's tokenizer has none; the prompt file needs one
+    (out / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=32, tokenizer=tokenizer)
+    MTPDrafter.from_target(target, 1, tokenizer).save_pretrained(out / "mtp")
+    cfg = ReportConfig(
+        prompts_path=str(out / "questions.jsonl"),
+        max_new_tokens=8,
+        chain_k=2,
+        chain_from_cost_curve=False,
+        tree_top_k=2,
+        tree_depth=2,
+        tree_total_tokens=4,
+        draft_model="cut",
+        draft_model_layers=1,
+        hf_assisted=True,
+        compare=[str(out / "mtp")],
+        batch_sizes=[1],
+        temperatures=[0.0, 1.0],
+    )
+    torch.manual_seed(0)
+    rows = run_report(target, drafter, tokenizer, cfg, out / "report", log=lambda msg: None)
+    kept = []
+    for r in rows:
+        row = {k: r.get(k) for k in FIELDS if k != "evidence"} | {"evidence": evidence_words(r)}
+        if r["tau"] is None and r["temperature"] > 0:  # HF sampling from torch's global generator
+            row["new_tokens"] = None
+        kept.append(row)
+    return kept
+
+
+def _same(got, want, where: str) -> None:
+    if isinstance(want, float) and isinstance(got, float):
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), where
+    elif isinstance(want, list) and isinstance(got, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+def test_report_rows_match_the_golden_file(tiny_recipe, tmp_path):
+    rows = report_rows(tiny_recipe, tmp_path)
+    if os.environ.get("DRAFTERS_WRITE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(rows, indent=1, ensure_ascii=False) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    assert [(r["proposer"], r["setting"], r["category"], r["temperature"], r["batch_size"]) for r in rows] == [
+        (r["proposer"], r["setting"], r["category"], r["temperature"], r["batch_size"]) for r in golden
+    ]
+    for got, want in zip(rows, golden):
+        where = f"{want['proposer']} / {want['setting']} [{want['category']}] T {want['temperature']} bs {want['batch_size']}"
+        for key in FIELDS:
+            _same(got[key], want[key], f"{where}: {key}")
+
+
+# ------------------------------------------------------------------------- rows from hand-made tallies
+
+
+def _context(**kw):
+    from eval.rows import RowContext
+
+    return RowContext(
+        **{
+            "served": "float32",
+            "drafter_dtype": "float32",
+            "other_dtype": None,
+            "machine": "test machine",
+            "max_new_tokens": 16,
+            "vanilla_loop": "plain",
+            "vanilla_loop_ms": {"plain": 1.0},
+        }
+        | kw
+    )
+
+
+def test_rows_from_hand_made_tallies_give_the_hand_computed_tau_alpha_and_speedup():
+    """Vanilla: 20 tokens in 2 s (10 tok/s) over 20 one-token steps of 80 ms; HF generate 5 tok/s, so the baseline is
+    ours. The method: 20 tokens in 1 s over 8 verify forwards (τ = 20 / 8 = 2.5), depth 1 accepted 6 of 8 and depth
+    2 3 of 6 (α = 0.75, 0.5), draft 20 ms + verify 80 ms a round: speedup 20 / 10 = 2.0, predicted
+    2.5 · 80 / (20 + 80) = 2.0; both prompts identical to vanilla."""
+    from eval.measure import Candidate
+    from eval.rows import CellTallies, rows_from_tallies
+    from infer.generate import GenerationStats
+
+    cell = CellTallies(temperature=0.0, batch_size=1, repeats=1, prompts={"chat": 2})
+    vanilla = GenerationStats(new_tokens=20, row_forwards=20, rounds=20, verify_s=1.6, bookkeeping_s=0.2, prefill_s=0.1)
+    cell.vanilla.add("chat", 20, 2.0, vanilla)
+    cell.hf.add("chat", 20, 4.0)
+    drafted = GenerationStats(
+        new_tokens=20,
+        row_forwards=8,
+        rounds=8,
+        draft_s=0.16,
+        verify_s=0.64,
+        accepted_at_depth=[6, 3],
+        attempted_at_depth=[8, 6],
+    )
+    candidate = Candidate("draft", "chain 2", lambda: None)
+    cell.methods[candidate.key] = tally = type(cell.vanilla)()
+    tally.add("chat", 20, 1.0, drafted, same=2, compared=2, prompt_tokens=12.0)
+
+    (row,) = rows_from_tallies(cell, [candidate], _context())
+    assert (row["proposer"], row["setting"], row["category"], row["prompts"]) == ("draft", "chain 2", "all", 2)
+    assert row["tau"] == pytest.approx(2.5) and row["alpha"] == pytest.approx([0.75, 0.5])
+    assert row["accepted_at_depth"] == [6, 3] and row["attempted_at_depth"] == [8, 6] and row["verify_steps"] == 8
+    assert row["tokens_per_s"] == pytest.approx(20.0) and row["vanilla_tokens_per_s"] == pytest.approx(10.0)
+    assert row["hf_generate_tokens_per_s"] == pytest.approx(5.0) and row["vanilla_dtype"] == "float32"
+    assert row["speedup"] == pytest.approx(2.0) and row["predicted_speedup"] == pytest.approx(2.0)
+    assert row["step_ms"] == pytest.approx({"draft_s": 20.0, "verify_s": 80.0, "bookkeeping_s": 0.0, "vanilla": 80.0})
+    assert row["vanilla_ms"]["forward"] == pytest.approx(80.0) and row["vanilla_mean_answer_tokens"] == 10.0
+    assert row["greedy_identical"] == row["greedy_identical_fp32"] == 1.0 and row["unexplained_divergences"] == 0
+    assert row["per_call"] == [[12.0, 20, 8]] and not row["lossy"]
+
+
+def test_rows_per_category_at_a_batch_without_hf_generate():
+    """Above batch 1 HF generate makes no call: rows for all prompts and each category still come, without its rate;
+    the faster vanilla of the two dtypes is the baseline."""
+    from eval.measure import Candidate
+    from eval.rows import CellTallies, Tally, rows_from_tallies
+    from infer.generate import GenerationStats
+
+    cell = CellTallies(temperature=1.0, batch_size=2, repeats=1, prompts={"chat": 2, "code": 4})
+    candidate = Candidate("draft", "chain 1", lambda: None)
+    cell.methods[candidate.key] = Tally()
+    for cat, tokens in (("chat", 8), ("code", 24)):
+        step = GenerationStats(new_tokens=tokens, row_forwards=tokens, rounds=tokens // 2, verify_s=0.1)
+        cell.vanilla.add(cat, tokens, 1.0, step)
+        cell.vanilla_other.add(cat, tokens, 0.5, step)  # the other dtype is twice as fast
+        cell.methods[candidate.key].add(cat, tokens, 0.5, GenerationStats(new_tokens=tokens, row_forwards=tokens // 2))
+    rows = rows_from_tallies(cell, [candidate], _context(other_dtype="bfloat16"))
+    assert [(r["category"], r["prompts"], r["new_tokens"]) for r in rows] == [
+        ("all", 6, 32),
+        ("chat", 2, 8),
+        ("code", 4, 24),
+    ]
+    assert all(r["hf_generate_tokens_per_s"] is None and r["vanilla_dtype"] == "bfloat16" for r in rows)
+    assert [r["speedup"] for r in rows] == pytest.approx([1.0, 1.0, 1.0]) and rows[0]["tau"] == pytest.approx(2.0)
+    assert rows[0]["greedy_identical"] is None  # T > 0: nothing compared

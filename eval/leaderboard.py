@@ -32,6 +32,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from eval.report_md import evidence
 from models.config import parse_cli
 
 SHIPPED_DRAFTERS = sorted(str(p.parent) for p in (Path(__file__).resolve().parents[1] / "models").glob("*/config.json"))
@@ -272,47 +273,6 @@ def machines_words(cells: list[dict]) -> str | None:
 # ------------------------------------------------------------------------------------------ tables
 def method_of(r: dict) -> str:
     return f"{r['proposer']} ({r['setting']})"
-
-
-def evidence(rows: list[dict]) -> str:
-    """One entry's lossless evidence, pooled over its rows (categories, cells), in words that need no legend:
-    "greedy identical 25 % in bf16, all 3 divergences within bf16 rounding; fp32 100 %". A bare "bf16 0.25" read as
-    "lossy" to newcomers, and per-category strings joined without their categories could not be told apart.
-    Shares are weighted by each row's prompts; at T > 0 the claim is the accept rule's."""
-    from eval.report_md import DTYPE_SHORT
-
-    if any(r["lossy"] for r in rows):
-        return "lossy (typical acceptance): no identity claim"
-    greedy = [r for r in rows if r["temperature"] == 0 and r.get("greedy_identical") is not None]
-    if not greedy:
-        return "lossless rule (rejection sampling)" if all(r["temperature"] > 0 for r in rows) else "not compared"
-    parts = []
-    for dtype in sorted({r["dtype"] for r in greedy}):
-        part, dt = [r for r in greedy if r["dtype"] == dtype], DTYPE_SHORT.get(dtype, dtype)
-        words = f"greedy identical {_share(part, 'greedy_identical')} in {dt}"
-        n, explained = sum(len(r["divergences"]) for r in part), sum(r["explained_divergences"] for r in part)
-        if n:
-            words += (
-                f", {'the' if n == 1 else 'all'} {_count(n, 'divergence')} within {dt} rounding"
-                if explained == n
-                else f", {n - explained} of {_count(n, 'divergence')} NOT explained by {dt} rounding"
-            )
-        if dtype != "float32":
-            replayed = [r for r in part if r.get("greedy_identical_fp32") is not None]
-            words += f"; fp32 {_share(replayed, 'greedy_identical_fp32')}" if replayed else "; fp32 replay not run"
-            bad = sum(not d["explained"] for r in replayed for d in r["fp32_divergences"])
-            words += f" ({_count(bad, 'unexplained divergence')})" if bad else ""
-        parts.append(words)
-    return "; ".join(parts)
-
-
-def _share(rows: list[dict], key: str) -> str:
-    weight = sum(r.get("prompts") or 1 for r in rows)
-    return f"{100 * sum(r[key] * (r.get('prompts') or 1) for r in rows) / weight:.0f} %"
-
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def category_rows(rows: list[dict]) -> list[dict]:

@@ -119,35 +119,82 @@ def _greedy_params(temp: float, max_new_tokens: int, batch_index: int) -> Sampli
     return SamplingParams(temperature=temp, max_new_tokens=max_new_tokens, seed=batch_index)
 
 
-def fp32_pass(
+@dataclass(frozen=True)
+class Replay:
+    """One T = 0 answer that differed from vanilla's, to decode again in fp32 from where it first differed."""
+
+    key: str
+    """The candidate (`Candidate.key`)."""
+    category: str
+    batch_size: int
+    prefix: tuple[int, ...]
+    """The prompt and vanilla's answer up to the first differing token (the shorter answer where one output is a
+    prefix of the other)."""
+    start: int
+    """Where in the answer the replay begins (the first differing token's index)."""
+    budget: int
+    """Tokens left of the answer's cap after the prefix."""
+    where: dict = field(hash=False, compare=False)
+    """Where the divergence was seen (batch, category, prompt names, row)."""
+
+
+def replays_of(
+    key: str, category: str, bs: int, prompts: list[list[int]], reference: list[list[int]], got: list[list[int]],
+    divergences: list[dict], max_new_tokens: int,
+) -> list[Replay]:  # fmt: skip
+    """The `Replay` of each divergence `identity` found in one batch (``row`` indexes ``prompts``)."""
+    out = []
+    for d in divergences:
+        j = d["row"]
+        at = d["position"] if d["position"] is not None else min(len(reference[j]), len(got[j]))
+        where = {k: d[k] for k in ("batch", "category", "prompts", "row") if k in d}
+        prefix = tuple(prompts[j] + reference[j][:at])
+        out.append(Replay(key, category, bs, prefix, at, max(1, max_new_tokens - at), where))
+    return out
+
+
+def fp32_replay(
     target: TargetModel,
     candidates: list[Candidate],
-    prompts: list[MeasuredPrompt],
+    replays: list[Replay],
     eos_ids: tuple[int, ...],
-    batch_sizes: tuple[int, ...],
-    max_new_tokens: int,
     log: Callable[[str], None] = print,
 ) -> dict[tuple[int, str], Tally]:
-    """The certificate pass of a target served below fp32: vanilla and every lossless candidate at T = 0 once more
-    on an fp32 copy of the target, each compared with fp32 vanilla. Where rounding is ~1e-7 the outputs must be
-    token-identical; a divergence here is certified against an fp64 replay. Keyed by (batch size, candidate)."""
+    """The certificate of a target served below fp32, spent where it is needed: every answer that differed from
+    vanilla at T = 0 is decoded again on an fp32 copy of the target from its first differing token, by vanilla and by
+    the candidate (the rows of one candidate and batch size together, at most that many at a time). Where rounding
+    is ~1e-7 the two continuations must be token-identical; a divergence here is certified against an fp64 replay.
+    An answer identical in the served dtype needs no replay. Keyed by (batch size, candidate); a repeat of the same
+    divergence (batch repeats) is replayed once."""
+    unique = list(dict.fromkeys(replays))
+    if not unique:
+        return {}
     t0 = time.perf_counter()
     target32 = fp32_copy(target, lambda m: None)
     certifier = Certifier(target32.model)
+    by_key = {c.key: c for c in candidates}
+    groups: dict[tuple[int, str], list[Replay]] = {}
+    for r in unique:
+        groups.setdefault((r.batch_size, r.key), []).append(r)
     out: dict[tuple[int, str], Tally] = {}
-    for bs in batch_sizes:
-        for bi, batch in enumerate(batches_of(prompts, bs)):
-            cat, ids = batch[0].category, [p.ids for p in batch]
-            params = _greedy_params(0.0, max_new_tokens, bi)
+    for (bs, key), jobs in groups.items():
+        c = by_key[key]
+        for i in range(0, len(jobs), bs):
+            part = jobs[i : i + bs]
+            ids = [list(j.prefix) for j in part]
+            params = SamplingParams(temperature=0.0, max_new_tokens=max(j.budget for j in part))
             ref = generate_vanilla(target32, ids, params, eos_ids)
-            for c in candidates:
-                if c.lossy:
-                    continue
-                res = generate_speculative(target32, c.make(), ids, params, eos_ids, spec=c.spec)
-                where = {"batch": bi, "category": cat, "prompts": [p.name for p in batch]}
-                same, div = identity(certifier, ids, ref.tokens, res.tokens, where)
-                out.setdefault((bs, c.key), Tally()).add(cat, 0, 0.0, None, same, len(batch), div)
-    log(f"fp32 certificate pass: {time.perf_counter() - t0:.0f} s (report.fp32_certificate=false skips it)")
+            res = generate_speculative(target32, c.make(), ids, params, eos_ids, spec=c.spec)
+            for job, prefix, a, b in zip(part, ids, ref.tokens, res.tokens):
+                same, div = identity(certifier, [prefix], [a], [b], job.where)
+                for d in div:  # where the answer was seen, and positions counted in the whole answer
+                    d["row"] = job.where["row"]
+                    d["position"] = None if d["position"] is None else d["position"] + job.start
+                out.setdefault((bs, key), Tally()).add(job.category, 0, 0.0, None, same, 1, div)
+    log(
+        f"fp32 replay of {len(unique)} divergent answers from their first differing token: "
+        f"{time.perf_counter() - t0:.0f} s (report.fp32_certificate=false skips it)"
+    )
     return out
 
 
@@ -169,7 +216,8 @@ class MeasurePlan:
     hf_assisted: dict[str, dict] = field(default_factory=dict)
     """Name → extra HF ``generate`` kwargs (``prompt_lookup_num_tokens``, ``assistant_model``), timed at bs 1."""
     fp32_certificate: bool = True
-    """Where the target is served below fp32, re-run T = 0 in fp32 (`fp32_pass`) for ``greedy_identical_fp32``."""
+    """Where the target is served below fp32, decode every T = 0 divergence again in fp32 from where it began
+    (`fp32_replay`)."""
     vanilla_target: TargetModel | None = None
     """The target in the dtype vanilla is fastest in, when that is not the served one (`serving_targets`)."""
     drafter_dtype: str | None = None
@@ -219,7 +267,7 @@ def measure(
 
     ``hf_assisted``: name → extra ``generate`` kwargs (e.g. ``prompt_lookup_num_tokens``, ``assistant_model``),
     timed at bs 1 beside the rest (HF reports no τ, so those rows have ``tau`` None). ``fp32_certificate``: where
-    the target is served below fp32, re-run T = 0 in fp32 (`fp32_pass`) for ``greedy_identical_fp32``."""
+    the target is served below fp32, decode every T = 0 divergence again in fp32 from where it began (`fp32_replay`)."""
     plan = MeasurePlan(
         target,
         candidates,
@@ -250,10 +298,7 @@ def measure_plan(plan: MeasurePlan, log: Callable[[str], None] = print) -> list[
     _warm_up(plan, candidates)
     target, temperatures = plan.target, plan.temperatures
     certify_fp32 = plan.fp32_certificate and 0.0 in temperatures and target.dtype != torch.float32
-    _announce(plan, candidates, certify_fp32, log)
-    fp32 = {}
-    if certify_fp32:
-        fp32 = fp32_pass(target, candidates, plan.prompts, plan.eos_ids, plan.batch_sizes, plan.max_new_tokens, log)
+    _announce(plan, candidates, log)
     served = str(target.dtype).removeprefix("torch.")
     judges = Judges(target, plan.vanilla_target)
     words = machine(device=target.device.type).words()
@@ -261,23 +306,27 @@ def measure_plan(plan: MeasurePlan, log: Callable[[str], None] = print) -> list[
     # progress within the run, with time left: one step is one batch decoded by vanilla and every method in turn
     steps = len(temperatures) * sum(len(batches_of(plan.prompts, bs)) * plan.repeats(bs) for bs in plan.batch_sizes)
     bar = tqdm(total=steps, desc="measure: batches (vanilla + every method)", unit="batch")
-    rows: list[dict] = []
+    cells, replays = [], []
     for temp in temperatures:
         for bs in plan.batch_sizes:
-            cell = time_cell(plan, candidates, temp, bs, judges, bar)
-            context = RowContext(
-                served=served,
-                drafter_dtype=plan.drafter_dtype or served,
-                other_dtype=other,
-                machine=words,
-                max_new_tokens=plan.max_new_tokens,
-                vanilla_loop=target.vanilla_loop if bs == 1 else "masked",
-                vanilla_loop_ms=target.vanilla_loop_ms if bs == 1 else {},
-            )
-            for row in rows_from_tallies(cell, candidates, context, fp32):
-                _log_row(log, row)
-                rows.append(row)
+            cells.append(time_cell(plan, candidates, temp, bs, judges, bar, replays))
     bar.close()
+    fp32 = fp32_replay(target, candidates, replays, plan.eos_ids, log) if certify_fp32 else None
+    rows: list[dict] = []
+    for cell in cells:
+        bs = cell.batch_size
+        context = RowContext(
+            served=served,
+            drafter_dtype=plan.drafter_dtype or served,
+            other_dtype=other,
+            machine=words,
+            max_new_tokens=plan.max_new_tokens,
+            vanilla_loop=target.vanilla_loop if bs == 1 else "masked",
+            vanilla_loop_ms=target.vanilla_loop_ms if bs == 1 else {},
+        )
+        for row in rows_from_tallies(cell, candidates, context, fp32):
+            _log_row(log, row)
+            rows.append(row)
     return rows
 
 
@@ -297,7 +346,7 @@ def _warm_up(plan: MeasurePlan, candidates: list[Candidate]) -> None:
             generate_speculative(target, c.make(), ids, warm, plan.eos_ids)
 
 
-def _announce(plan: MeasurePlan, candidates: list[Candidate], certify_fp32: bool, log: Callable[[str], None]) -> None:
+def _announce(plan: MeasurePlan, candidates: list[Candidate], log: Callable[[str], None]) -> None:
     """One line: how many generate calls the run makes and an upper bound of its length from one vanilla step."""
     target, temperatures, batch_sizes = plan.target, plan.temperatures, plan.batch_sizes
     t = clock(target.device)
@@ -306,7 +355,6 @@ def _announce(plan: MeasurePlan, candidates: list[Candidate], certify_fp32: bool
     reps = {bs: plan.repeats(bs) for bs in batch_sizes}
     calls = len(temperatures) * sum(reps[bs] * (2 + len(candidates)) + len(plan.hf_assisted) for bs in batch_sizes)
     calls += 2 * len(temperatures) * sum(reps.values()) if plan.vanilla_target is not None else 0
-    calls += (1 + len(candidates)) * len(batch_sizes) if certify_fp32 else 0
     n, new = len(plan.prompts), plan.max_new_tokens
     log(
         f"measure: {n} prompts x {calls} generate calls of up to {new} tokens, target in "
@@ -328,10 +376,17 @@ class Judges:
 
 
 def time_cell(
-    plan: MeasurePlan, candidates: list[Candidate], temp: float, bs: int, judges: Judges, bar: tqdm
+    plan: MeasurePlan,
+    candidates: list[Candidate],
+    temp: float,
+    bs: int,
+    judges: Judges,
+    bar: tqdm,
+    replays: list[Replay],
 ) -> CellTallies:
     """Every batch decoded by vanilla (both dtypes), HF generate and its assisted peers (bs 1) and every candidate in
-    turn, the round of batches repeated `MeasurePlan.repeats` times; T = 0 outputs compared with vanilla's."""
+    turn, the round of batches repeated `MeasurePlan.repeats` times; T = 0 outputs compared with vanilla's, each
+    candidate's divergence added to ``replays`` (for `fp32_replay`)."""
     target, other_target, eos_ids = plan.target, plan.vanilla_target, plan.eos_ids
     batches = batches_of(plan.prompts, bs)
     cell = CellTallies(temp, bs, plan.repeats(bs), {})
@@ -369,6 +424,8 @@ def time_cell(
             other_dtype = other_target is not None and proposer.vanilla_target is other_target
             judge, reference = (judges.other(), other.tokens) if other_dtype else (judges.served, ref.tokens)
             same, div = identity(judge, ids, reference, res.tokens, where) if params.greedy else (0, [])
+            if not c.lossy:
+                replays += replays_of(c.key, cat, bs, ids, reference, res.tokens, div, plan.max_new_tokens)
             compared = len(batch) if params.greedy else 0
             prompt_tokens = sum(map(len, ids)) / len(ids)
             tokens = sum(map(len, res.tokens))

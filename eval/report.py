@@ -112,8 +112,8 @@ class ReportConfig(*FAMILY_OPTIONS):
     draft_model_layers: int = 2
     """Layers of the undistilled cut (models/draft_model.py)."""
     fp32_certificate: bool = True
-    """Where the target is served below fp32, re-run every lossless method at T = 0 on an fp32 copy of the target for
-    ``greedy_identical_fp32`` (eval.measure.fp32_pass; about one more T = 0 pass in fp32)."""
+    """Where the target is served below fp32, decode every T = 0 divergence of a lossless method again on an fp32 copy
+    of the target from its first differing token (eval.measure.fp32_replay)."""
     hf_assisted: bool = False
     """Also time HF's own assisted generation at batch 1, the outside peer: ``prompt_lookup_num_tokens=10`` and, when
     the report has a draft model, ``assistant_model`` (rows without τ: HF reports no rounds)."""

@@ -145,7 +145,9 @@ def rows_from_tallies(
 ) -> list[dict]:
     """The result rows of one (temperature, batch size): for all prompts and (with more than one category) each
     category, one row per candidate and HF-assisted peer. Pure: counts and seconds in, rows out (no timing, no
-    model). ``fp32``: the certificate pass's tallies by (batch size, candidate key) (`fp32_pass`)."""
+    model). ``fp32``: the certificate's tallies by (batch size, candidate key) (`eval.measure.fp32_replay`: each
+    divergence decoded again in fp32 from where it began; a key absent: nothing of that candidate diverged), None
+    where no certificate ran."""
     cats = sorted(cell.prompts)
     rows = []
     for cat in ["all", *cats] if len(cats) > 1 else ["all"]:
@@ -154,7 +156,7 @@ def rows_from_tallies(
         named += [(name, "HF generate", tally, None) for name, tally in cell.assisted.items()]
         for proposer, setting, tally, c in named:
             m = tally.merged(cat)
-            certificate = (fp32 or {}).get((cell.batch_size, c.key)) if c else None
+            certificate = None if fp32 is None or c is None else fp32.get((cell.batch_size, c.key), Tally())
             row = {
                 "proposer": proposer,
                 "setting": setting,
@@ -260,28 +262,36 @@ def _round_fields(stats: list[GenerationStats], baseline_step: float) -> dict:
 
 def _evidence(m: CategoryTally, fp32: Tally | None, cat: str, temp: float, served: str, c: Method | None) -> dict:
     """A row's lossless evidence: greedy identity in the served dtype, its divergences split into explained by that
-    dtype's rounding and unexplained (must be 0), and greedy identity in fp32 (the certificate pass, or the run
-    itself when served in fp32). None where nothing was compared (T > 0)."""
+    dtype's rounding and unexplained (must be 0), and, below fp32, the fp32 replay of each divergence from where it
+    began (``fp32_replays`` answers, ``fp32_replays_identical`` of them token-identical to fp32 vanilla; None where
+    no certificate ran). None where nothing was compared (T > 0)."""
     if temp != 0.0 or not m.compared or (c is not None and c.lossy):
         return {
             "greedy_identical": None,
             "greedy_identical_fp32": None,
+            "fp32_replays": None,
+            "fp32_replays_identical": None,
             "explained_divergences": None,
             "unexplained_divergences": None,
             "divergences": [],
             "fp32_divergences": [],
         }
-    f = fp32.merged(cat) if fp32 is not None else None
-    if served == "float32":
-        identical_fp32, fp32_div = m.same / m.compared, []
-    elif f is not None and f.compared:
-        identical_fp32, fp32_div = f.same / f.compared, f.divergences
-    else:  # skipped (report.fp32_certificate=false), lossy, or an outside peer's row
-        identical_fp32, fp32_div = None, []
+    replays = identical = None
+    fp32_div: list[dict] = []
+    if served == "float32":  # the run itself is the fp32 evidence
+        identical_fp32 = m.same / m.compared
+    elif fp32 is not None:
+        f = fp32.merged(cat)
+        replays, identical, fp32_div = f.compared, f.same, f.divergences
+        identical_fp32 = f.same / f.compared if f.compared else None
+    else:  # skipped (report.fp32_certificate=false), or an outside peer's row
+        identical_fp32 = None
     explained = sum(d["explained"] for d in m.divergences)
     return {
         "greedy_identical": m.same / m.compared,
         "greedy_identical_fp32": identical_fp32,
+        "fp32_replays": replays,
+        "fp32_replays_identical": identical,
         "explained_divergences": explained,
         "unexplained_divergences": len(m.divergences) - explained + sum(not d["explained"] for d in fp32_div),
         "divergences": m.divergences,

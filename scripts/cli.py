@@ -196,7 +196,7 @@ def draft_model_candidate(target: TargetModel) -> Candidate:
 def print_closing_table(rows: list[dict]) -> None:
     """The quick start's table: vanilla, then every method with its lossless evidence in words (a bare "0.25" read as
     "lossy" where every divergence was a bf16 rounding tie and the fp32 replay was identical)."""
-    from eval.leaderboard import evidence
+    from eval.report_md import evidence
 
     w = max(34, *(len(f"{r['proposer']} ({r['setting']})") + 2 for r in rows))
     print(f"\n{'method':<{w}}{'dtype':>7}{'tau':>6}{'tokens/s':>10}{'speedup':>9}  lossless evidence")

@@ -83,8 +83,9 @@ def _accept_every_draft(tree, logits):
 
 @pytest.mark.parametrize("wrong_rule", [False, True])
 def test_bf16_report_explains_rounding_and_catches_a_wrong_rule(tiny_draft, monkeypatch, wrong_rule):
-    """Served in bf16: the correct rule's divergences (if this CPU's bf16 produces any) are all explained and the
-    fp32 pass is identical; a rule that accepts every draft is reported as unexplained in both dtypes."""
+    """Served in bf16: the correct rule's divergences (if this CPU's bf16 produces any) are all explained and each
+    one's fp32 replay from its first differing token is identical; a rule that accepts every draft is reported as
+    unexplained in both dtypes."""
     import infer.generate
 
     if wrong_rule:
@@ -95,10 +96,34 @@ def test_bf16_report_explains_rounding_and_catches_a_wrong_rule(tiny_draft, monk
     rows = measure(target, cands, prompts, (), max_new_tokens=16, include_prompt_lookup=False, log=lambda m: None)
     total = next(r for r in rows if r["category"] == "all")
     assert total["dtype"] == "bfloat16"
+    # every divergent answer (batch 1, no repeats: each one distinct) replayed once in fp32, nothing else
+    assert total["fp32_replays"] == len(total["divergences"])
     if wrong_rule:
-        assert total["unexplained_divergences"] > 0 and total["greedy_identical_fp32"] < 1.0
+        assert total["unexplained_divergences"] > 0 and total["fp32_replays_identical"] < total["fp32_replays"]
         d = next(d for d in total["divergences"] if not d["explained"])
         assert d["prompts"][d["row"]] in ("q1", "q2") and d["gap"] > d["band"]
+        # the fp32 replay's divergences are placed in the whole answer, at or after where the served one began
+        first = {d["row"]: d["position"] for d in total["divergences"]}
+        assert total["fp32_divergences"] and all(
+            f["position"] is None or f["position"] >= first[f["row"]] for f in total["fp32_divergences"]
+        )
     else:
-        assert total["unexplained_divergences"] == 0 and total["greedy_identical_fp32"] == 1.0
+        assert total["unexplained_divergences"] == 0 and total["fp32_replays_identical"] == total["fp32_replays"]
         assert total["explained_divergences"] == len(total["divergences"])
+        assert total["greedy_identical_fp32"] == (1.0 if total["divergences"] else None)
+
+
+def test_a_replay_starts_at_the_first_differing_token_with_the_rest_of_the_budget():
+    from eval.measure import replays_of
+
+    prompts, reference, got = [[1, 2], [3]], [[5, 6, 7], [8, 9]], [[5, 6, 4], [8]]
+    divergences = [
+        {"batch": 0, "category": "a", "prompts": ["p", "q"], "row": 0, "position": 2},
+        {"batch": 0, "category": "a", "prompts": ["p", "q"], "row": 1, "position": None},  # one output a prefix
+    ]
+    first, second = replays_of("m / chain 3", "a", 2, prompts, reference, got, divergences, max_new_tokens=8)
+    assert first.prefix == (1, 2, 5, 6) and first.start == 2 and first.budget == 6 and first.where["row"] == 0
+    assert second.prefix == (3, 8) and second.start == 1 and second.budget == 7  # from the end of the shorter answer
+    # the same divergence seen again (a batch repeat) is one replay
+    again = replays_of("m / chain 3", "a", 2, prompts, reference, got, divergences[:1], max_new_tokens=8)
+    assert len(dict.fromkeys([first, second, *again])) == 2

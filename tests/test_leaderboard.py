@@ -48,7 +48,9 @@ def test_cells_cover_sources_and_batch_sizes_with_every_temperature_in_one_run()
     assert board_cfg.categories == ["chat", "code"] and board_cfg.temperatures == [0.0, 1.0]
     assert not board_cfg.chain_neighbours  # a board ranks what would be served; the sizing check is a report's
     # the batch-aware sweep: one more cell at T = 0 over every sweep batch size
-    assert cells[-1] == Cell("builtin:chat", (0.0,), 64, (1, 4, 16, 64)) and cells[-1].key == "chat__T0__sweep_bs1-4-16-64"
+    assert (
+        cells[-1] == Cell("builtin:chat", (0.0,), 64, (1, 4, 16, 64)) and cells[-1].key == "chat__T0__sweep_bs1-4-16-64"
+    )
     assert len(cells_of(LeaderboardConfig(categories=["chat"], temperatures=[0.0], batch_sweep=[]))) == 1
     with pytest.raises(ValueError):
         cells_of(LeaderboardConfig(categories=[]))
@@ -169,7 +171,11 @@ def test_a_cell_from_another_kind_of_machine_is_measured_again_unless_reuse_is_a
     here = {"device": "cpu", "name": "EPYC", "flags": ["avx2"], "threads": 2, "words": "EPYC (avx2), 2 threads"}
     there = here | {"flags": ["avx2", "avx512_bf16"], "words": "EPYC (avx2, avx512_bf16), 2 threads"}
     cfg = LeaderboardConfig(
-        prompts_paths=["q/chat.jsonl", "q/code.jsonl"], categories=[], temperatures=[0.0], batch_sweep=[], out=str(tmp_path)
+        prompts_paths=["q/chat.jsonl", "q/code.jsonl"],
+        categories=[],
+        temperatures=[0.0],
+        batch_sweep=[],
+        out=str(tmp_path),
     )
     measured = []
 
@@ -219,7 +225,8 @@ ROW = {"proposer": "eagle3", "setting": "chain 3", "category": "all", "temperatu
 
 
 def test_the_evidence_is_one_labelled_entry_per_method_pooled_over_categories():
-    from eval.leaderboard import evidence, tables
+    from eval.leaderboard import tables
+    from eval.report_md import evidence
 
     code = ROW | {"cell": "code__T0__bs1", "source": "builtin:code", "greedy_identical": 0.75,
                   "divergences": [{"explained": True}], "explained_divergences": 1}  # fmt: skip
@@ -233,6 +240,17 @@ def test_the_evidence_is_one_labelled_entry_per_method_pooled_over_categories():
     )
     assert evidence([ROW | {"temperature": 1.0, "greedy_identical": None}]) == "lossless rule (rejection sampling)"
     assert evidence([ROW | {"lossy": True}]).startswith("lossy")
+    # rows whose certificate replayed only the divergences: counted over the replays
+    replayed = {"fp32_replays": 3, "fp32_replays_identical": 3, "greedy_identical_fp32": 1.0}
+    both = [ROW | replayed, code | {"fp32_replays": 1, "fp32_replays_identical": 0, "greedy_identical_fp32": 0.0,
+                                    "fp32_divergences": [{"explained": False}]}]  # fmt: skip
+    assert evidence(both) == (
+        "greedy identical 50 % in bf16, all 4 divergences within bf16 rounding; "
+        "fp32 replay from the first differing token: 3 of 4 identical (1 unexplained divergence in fp32)"
+    )
+    none_diverged = ROW | {"greedy_identical": 1.0, "divergences": [], "explained_divergences": 0, "fp32_replays": 0,
+                           "fp32_replays_identical": 0, "greedy_identical_fp32": None}  # fmt: skip
+    assert evidence([none_diverged]) == "greedy identical 100 % in bf16"
 
 
 def test_plots_without_a_sweep_have_no_batch_plot_and_counted_acceptance_is_unconditional(tmp_path):

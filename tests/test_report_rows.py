@@ -45,9 +45,12 @@ FIELDS = (
     "prompts",
     "lossy",
     "max_new_tokens",
-    "evidence",
+    "explained_divergences",
+    "unexplained_divergences",
 )
-"""What the golden file keeps of each row (``evidence``: `evidence_words` of the row)."""
+"""What the golden file keeps of each row. The divergence counts were first kept as the row's evidence in words; the
+words changed since (one wording for reports and boards), so the file holds the counts those words stated (every
+T = 0 row "fp32 1.00": no divergence; every other row "–": nothing compared), read back mechanically."""
 QUESTIONS = [
     {"question_id": "w1", "category": "writing", "turns": ["Write a short note about the sea."]},
     {"question_id": "w2", "category": "writing", "turns": ["Describe a quiet morning.", "Now make it shorter."]},
@@ -64,8 +67,6 @@ def report_rows(root: Path, out: Path) -> list[dict]:
     """The report of a seeded EAGLE-3 drafter (chain and EAGLE-2 tree) beside an MTP one, the undistilled cut as a
     draft model and HF's assisted peers, on `QUESTIONS` at T 0 and 1 (batch size 1): the rows' kept
     fields (`FIELDS`)."""
-    from eval.report_md import evidence_words
-
     path = str(root / "target")
     target = TargetModel.from_config(TargetConfig(name_or_path=path, dtype="float32", device="cpu"))
     tokenizer = load_tokenizer(path)
@@ -93,7 +94,7 @@ def report_rows(root: Path, out: Path) -> list[dict]:
     rows = run_report(target, drafter, tokenizer, cfg, out / "report", log=lambda msg: None)
     kept = []
     for r in rows:
-        row = {k: r.get(k) for k in FIELDS if k != "evidence"} | {"evidence": evidence_words(r)}
+        row = {k: r.get(k) for k in FIELDS}
         if r["tau"] is None and r["temperature"] > 0:  # HF sampling from torch's global generator
             row["new_tokens"] = None
         kept.append(row)

@@ -156,8 +156,10 @@ def report_config(cfg: LeaderboardConfig, cell: Cell):
         hf_assisted=cfg.hf_assisted and cell.batch_size == 1,
         hybrid_lookup=cfg.hybrid_lookup,
         hybrid_alone_match=cfg.hybrid_alone_match,
-        # the chosen chain's k - 1 and k + 1 check the sizing (a report's job): a board ranks what would be served
+        # the chosen chain's k - 1 and k + 1 check the sizing (a report's job): a board ranks what would be served;
+        # the small draft model is the classic baseline, one row (its chain) is enough to place it
         chain_neighbours=False,
+        draft_model_tree=False,
         fp32_certificate=cfg.fp32_certificate,
     )
 

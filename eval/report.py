@@ -111,6 +111,8 @@ class ReportConfig(*FAMILY_OPTIONS):
     target's first ``draft_model_layers`` layers with its norm and head, not distilled (labelled so)."""
     draft_model_layers: int = 2
     """Layers of the undistilled cut (models/draft_model.py)."""
+    draft_model_tree: bool = True
+    """The draft model in the EAGLE-2 tree setting too, beside its chain (off: the chain only)."""
     fp32_certificate: bool = True
     """Where the target is served below fp32, decode every T = 0 divergence of a lossless method again on an fp32 copy
     of the target from its first differing token (eval.measure.fp32_replay)."""
@@ -252,7 +254,7 @@ def candidates(
         if cfg.chain_k:
             dk = sizers[-1](lambda n: DraftModelProposer(draft, k=n), cfg.chain_k)
             out.append(Candidate(name, f"chain {dk}", lambda: DraftModelProposer(draft, k=dk)))
-        if cfg.tree_total_tokens:
+        if cfg.tree_total_tokens and cfg.draft_model_tree:
             tree = cfg.tree
             out.append(Candidate(name, cfg.tree_name, lambda: DraftModelProposer(draft, tree=tree)))
     return out

@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from infer.certificate import Certifier
+from infer.forward_cost import quiet_routing  # the serving path the precision policy times (``prepare``)
 from infer.generate import (
     VANILLA_LOOPS,
     GenerationStats,
@@ -201,11 +202,6 @@ def dtype_copy(target: TargetModel, dtype: torch.dtype, log: Callable[[str], Non
 def fp32_copy(target: TargetModel, log: Callable[[str], None] = print) -> TargetModel:
     """The same target in fp32, for the certificate pass."""
     return dtype_copy(target, torch.float32, log)
-
-
-def quiet_routing(model: torch.nn.Module) -> None:
-    """The CPU kernel routing, silently: what the precision policy's probes must be timed with (``prepare``)."""
-    install_cpu_linear(model, lambda msg: None)
 
 
 def serving_targets(

@@ -19,8 +19,9 @@ import torch
 from eval.measure import Candidate, MeasuredPrompt, measure
 from eval.prompts import CATEGORIES, builtin_prompts, chat_ids
 from eval.report_md import write_report
+from infer.forward_cost import quiet_routing
 from infer.proposers import DraftModelProposer, PromptLookupProposer
-from infer.serving import quiet_routing, serving_targets
+from infer.serving import serving_targets
 from infer.tree_search import DynamicTreeConfig
 from models.target import TargetConfig, TargetModel, load_tokenizer, stop_ids
 

@@ -30,27 +30,18 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from eval.stdlib_corpus import heldout_prompts
+from infer import forward_cost
 from infer.batch_policy import BatchPolicy
 from infer.families import family_of, load_drafter
-from infer.generate import (
-    VANILLA_LOOPS,
-    DecodeState,
-    depth_tallies,
-    generate_speculative,
-    generate_vanilla,
-    prefill,
-    vanilla_steps,
-    verify_tree,
-)
+from infer.generate import VANILLA_LOOPS, depth_tallies, generate_speculative, generate_vanilla, vanilla_steps
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
-from infer.serving import loop_context, prepare_target, quiet_routing
-from infer.tree import chain
+from infer.serving import loop_context, prepare_target
 from infer.tree_search import DynamicTreeConfig
 from models.acceptance import expected_tokens
 from models.checkpoint import read_checkpoint
 from models.target import TargetConfig, TargetModel, load_tokenizer
-from models.timing import RETRIES, best_of, interleaved, monotone, timed
+from models.timing import monotone, timed
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -392,7 +383,6 @@ def _fastest_vanilla(served_step: float, baseline: TargetModel | None, context: 
     return min(served_step, vanilla_step_cost(baseline, context, SIZING_REPS))
 
 
-@torch.inference_mode()  # as decoding runs: with autograd on, the routed CPU layouts fall back to F.linear
 def step_costs(
     target: TargetModel,
     context: list[int],
@@ -402,50 +392,34 @@ def step_costs(
     vanilla: bool = True,
     rows: int = 1,
 ) -> tuple[dict[int, float], float | None]:
-    """(`verify_costs`, the vanilla loop's step), timed in turn in one loop, so the two see the same machine.
-    ``rows``: the batch, every row holding ``context`` (the cost of a forward depends on the shapes, not the
-    tokens); verify only (``vanilla=False``): vanilla's loop at a batch is timed on the real rows
-    (`vanilla_loop_step`). Vanilla's step at batch 1 is the one-token forward of the loop ``target.vanilla_loop``
-    names (`eval.measure.choose_vanilla_loop`), in its own cache. It differs from t_verify(1), which adds the tree
-    mask and the KV bookkeeping: on SmolLM2 the verify path cost 107 against 97 ms for the plain loop in fp32 on the
-    AVX2 EPYC, and 36 against 41 ms in bf16 on the AVX-512-BF16 one, where the masked loop is chosen
-    (docs/decisions.md, "The vanilla check compares like with like")."""
+    """(`verify_costs`, the vanilla loop's step), timed in turn in one loop (`infer.forward_cost.forward_timings`, the
+    function the precision policy times its serving curves with), so the two see the same machine. ``rows``: the
+    batch, every row holding ``context`` (the cost of a forward depends on the shapes, not the tokens); verify only
+    (``vanilla=False``): vanilla's loop at a batch is timed on the real rows (`vanilla_loop_step`). Vanilla's step at
+    batch 1 is the one-token forward of the loop ``target.vanilla_loop`` names (`eval.measure.choose_vanilla_loop`),
+    in its own cache. It differs from t_verify(1), which adds the tree mask and the KV bookkeeping: on SmolLM2 the
+    verify path cost 107 against 97 ms for the plain loop in fp32 on the AVX2 EPYC, and 36 against 41 ms in bf16 on
+    the AVX-512-BF16 one, where the masked loop is chosen (docs/decisions.md, "The vanilla check compares like with
+    like")."""
     if vanilla and rows > 1:
         raise ValueError("step_costs times vanilla's step at batch 1 only; use vanilla_loop_step at a batch")
-    state = DecodeState([context] * rows, SamplingParams(max_new_tokens=1), (), target.device)
-    prefill(target, state, capture_aux=aux)
-    S = state.kv_valid.shape[1]
-    trees = {n: chain(torch.randint(0, target.vocab_size, (rows, n), device=target.device)) for n in sizes}
-
-    def crop() -> None:
-        for layer in state.cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, :S], layer.values[:, :, :S]
-
-    def run(n: int) -> None:
-        verify_tree(target, state, trees[n], capture_aux=aux)
-        crop()
-
-    calls: dict = {n: lambda n=n: run(n) for n in sizes}
-    if vanilla:
-        calls["vanilla"] = vanilla_steps(target, context)[target.vanilla_loop]  # in that loop's own cache
-    times = interleaved(calls, reps, target.device, retries=RETRIES)
-    if any(layer.keys.shape[2] != S for layer in state.cache.layers):
-        raise RuntimeError("the cache grew during timing: later sizes saw a longer context")
+    loops = (target.vanilla_loop,) if vanilla else ()
+    times = forward_cost.forward_timings(target, context, sizes, reps, aux, rows, loops)
     # the least disturbed call of each size: on a shared host bursts hit some sizes more than others within one
     # loop (verify 2:161 against vanilla 100 ms in a burst, 87 against 86 outside it), and a ratio of medians carried
     # them into the sizing; the measured run averages the disturbance over all methods alike. A size whose calls
     # spread wider than MAX_SPREAD was timed again (`interleaved`'s retries)
     curve = {n: times[n].best for n in sizes}
-    return curve, times["vanilla"].best if vanilla else None
+    return curve, times[target.vanilla_loop].best if vanilla else None
 
 
-@torch.inference_mode()
 def vanilla_step_cost(target: TargetModel, context: list[int], reps: int, loop: str | None = None) -> float:
-    """Seconds of one cached one-token forward of the batch-1 vanilla loop ``loop`` (default the target's own,
-    `infer.generate.vanilla_steps`), the fastest of ``reps``: the statistic `step_costs` takes for the verify curve it
-    is compared with (a median here against minima there made 2-4-token verifies look faster than one token on a
+    """Seconds of one cached one-token forward of the batch-1 vanilla loop ``loop`` (default the target's own), the
+    fastest of ``reps`` (`infer.forward_cost.forward_timings`): the statistic `step_costs` takes for the verify curve
+    it is compared with (a median here against minima there made 2-4-token verifies look faster than one token on a
     bf16 host, 35.5 against 41.9 ms)."""
-    return best_of(vanilla_steps(target, context)[loop or target.vanilla_loop], reps, target.device).best
+    loop = loop or target.vanilla_loop
+    return forward_cost.forward_timings(target, context, (), reps, loops=(loop,))[loop].best
 
 
 SIZING_REPS = 7
@@ -541,7 +515,9 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(args.target)
     aux = read_checkpoint(args.drafter)[1].aux_layer_ids if args.drafter else None
     target = TargetModel.from_config(
-        TargetConfig(name_or_path=args.target, dtype=args.dtype, aux_layer_ids=aux), "serve", prepare=quiet_routing
+        TargetConfig(name_or_path=args.target, dtype=args.dtype, aux_layer_ids=aux),
+        "serve",
+        prepare=forward_cost.quiet_routing,
     )
     print(target.precision.line())
     # every model is loaded and checked against the target before any timing (a mismatch fails in seconds)

@@ -639,7 +639,7 @@ def write_outputs(board: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     from eval.report import run_report
     from infer.families import load_drafter
-    from infer.serving import quiet_routing
+    from infer.forward_cost import quiet_routing
     from models.checkpoint import read_checkpoint
     from models.loader import load_target
     from models.target import TargetConfig, load_tokenizer

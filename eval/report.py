@@ -44,12 +44,13 @@ from eval.report_md import write_report
 from infer.batch_policy import BatchAwareProposer
 from infer.families import FAMILIES, family_of, load_drafter
 from infer.family import ChainSizer, DrafterFamily
+from infer.forward_cost import quiet_routing
 from infer.generate import generate_vanilla
 from infer.hybrid import HybridProposer
 from infer.proposer import Proposer
 from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
-from infer.serving import quiet_routing, ready_targets, serving_targets
+from infer.serving import ready_targets, serving_targets
 from infer.tree_search import DynamicTreeConfig
 from models.checkpoint import read_checkpoint
 from models.config import parse_cli

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from infer.forward_cost import quiet_routing
 from infer.generate import VANILLA_LOOPS, vanilla_steps
 from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.kernels.cpu_linear import uninstall as uninstall_cpu_linear
@@ -29,11 +30,6 @@ def prepare_target(target: TargetModel, log: Callable[[str], None] = print) -> N
     cpu_linear.py); vanilla, HF generate and every proposer then run the same target."""
     if target.device.type == "cpu":
         install_cpu_linear(target.model, log)
-
-
-def quiet_routing(model: torch.nn.Module) -> None:
-    """The CPU kernel routing, silently: what the precision policy's probes must be timed with (``prepare``)."""
-    install_cpu_linear(model, lambda msg: None)
 
 
 def loop_context(contexts: list[list[int]], answer_tokens: float) -> list[int]:

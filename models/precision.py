@@ -17,12 +17,16 @@ on the target's own layer shapes, in both dtypes, on every CPU:
   drafter is one such layer and the head), fp32 against bf16 autocast, after a 512² GEMM in each dtype (a bf16
   GEMM ``EMULATED`` x behind ends bf16's race there: the step would take minutes and lose).
 
-The probe is the target's architecture built from its HF config with 1 and 8 decoder layers (random weights); a
-full forward is extrapolated as ``t1 + (L - 1) · (t8 - t1) / 7``, each time the fastest of 7 calls, the dtypes
-timed in turn at each size. ``prepare(model)`` installs the kernel routing the server will use
-(``infer.kernels.cpu_linear``), so fp32 is timed the way it is served. Curves are cached per machine (CPU model,
-flags, threads, torch) and target shape in ``$DRAFTERS_PRECISION_CACHE`` (default ``~/.cache/drafters/precision``),
-so a machine measures once. An explicit dtype always wins and is reported as the user's choice;
+The probe is the target's architecture built from its HF config at full depth (random weights), in each dtype.
+Its decode forwards are timed through the serving path the caller hands in as ``prepare`` (`ServingPath`;
+``infer.forward_cost.quiet_routing``): it installs the kernel routing the server uses (``infer.kernels.cpu_linear``)
+and times the forward the runtime runs (`infer.forward_cost.forward_timings`: the faster vanilla loop's step at one
+row, the verify forward over a chain above it), the function the report's cost curve and vanilla check time with,
+so the policy and the report read the same t(n). Without a serving path (a caller below the runtime) the bare HF
+forward is timed. Each size is the fastest of 7 calls, the dtypes timed in turn at each size. Curves are cached per
+machine (CPU model, flags, threads, torch) and target shape in ``$DRAFTERS_PRECISION_CACHE`` (default
+``~/.cache/drafters/precision``), so a machine measures once. An explicit dtype always wins and is reported as the
+user's choice;
 ``$DRAFTERS_CPU_BF16`` = fast / slow forces the automatic answer (the suite runs every bf16 path that way on any
 CPU). On CUDA the answer is bf16 where the GPU supports it, without timing.
 """
@@ -37,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -60,8 +65,6 @@ PREFILL_CHUNK = 32
 """Prefill is timed on this many tokens and scaled linearly (it is GEMM-bound): emulated bf16 stays seconds."""
 PREFILL = 0
 """Curve key of the prefill of the modelled prompt (serve: PREFIX tokens; distill: a batch of them)."""
-PROBE_LAYERS = 8
-"""The deeper probe's layers: the per-layer cost is (t8 - t1) / 7, so timing noise is multiplied by (L - 1) / 7."""
 EMULATED = 3.0
 """bf16 slower than fp32 by this factor at one size is out of the race: its larger sizes are not timed, and a bf16
 512² GEMM that far behind rules out timing a (GEMM-bound) training step in bf16, which would take minutes."""
@@ -70,7 +73,8 @@ TIE = 0.03
 DEFAULT_ACCEPTANCE = (0.6, 0.5, 0.45, 0.4, 0.4, 0.4, 0.4)
 """Conditional acceptance per draft depth assumed for serving when the drafter's own is not known yet: about what a
 trained EAGLE-3 reaches on its own data (the shipped one's held-out TTT accuracy is 0.45 / 0.38 / 0.36 / 0.33)."""
-CURVES_VERSION = 1
+CURVES_VERSION = 2
+"""2: serving curves timed through the runtime's forward on a full-depth probe (1: extrapolated from 1 and 8 layers)."""
 STALE = 1.25
 """A cached serving curve is re-checked at one size each time it is read (`_stale`): a fresh time this many x off the cached
 one, or an order of the dtypes that flipped, means the cache was written on a busy or just-booted host (seen: fp32
@@ -144,6 +148,18 @@ def forced_bf16() -> bool | None:
     if forced:
         raise ValueError(f"${CPU_BF16_ENV} must be 'fast', 'slow' or unset (measure), got {forced!r}")
     return None
+
+
+class ServingPath(Protocol):
+    """How the server runs a target, handed in by a caller that knows the runtime (``models/`` imports nothing above
+    it): ``infer.forward_cost.quiet_routing``."""
+
+    def __call__(self, model: nn.Module) -> object:
+        """Install on ``model`` the kernel routing the server uses."""
+
+    def forward_ms(self, model: nn.Module, rows: int, prefix: int, batch: int = 1) -> Timing:
+        """Milliseconds of the forward the runtime runs for ``rows`` new tokens per sequence after a ``prefix``-token
+        cache, on ``batch`` sequences."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,7 +337,7 @@ def choose(
     device: str = "cpu",
     *,
     acceptance: Sequence[float] | None = None,
-    prepare: Callable[[nn.Module], object] | None = None,
+    prepare: ServingPath | None = None,
     timer: Callable[[str, str, int], float] | None = None,
     cpuinfo: str | None = None,
     cache_dir: str | Path | None = None,
@@ -331,8 +347,9 @@ def choose(
 
     ``timer(workload, dtype, key) -> ms`` and ``cpuinfo`` replace the machine in tests (key: a row count, or
     ``PREFILL``, or 0 for the training step, or -512 for the 512² GEMM); otherwise the probe model of ``config`` is
-    timed (`measure_curves`) and the curves are cached (``cache_dir`` / ``$DRAFTERS_PRECISION_CACHE``; ``refresh``
-    measures again). ``acceptance``: the drafter's conditional acceptance per depth, when known (serve). bf16 is
+    timed (`measure_curves`), its decode forwards through ``prepare`` (`ServingPath`: the runtime's forward), and
+    the curves are cached (``cache_dir`` / ``$DRAFTERS_PRECISION_CACHE``; ``refresh`` measures again).
+    ``acceptance``: the drafter's conditional acceptance per depth, when known (serve). bf16 is
     timed on every CPU (never assumed slow: on this project's AVX2 EPYC a bf16 512² GEMM is ~100x slower than fp32,
     yet SmolLM2's one-token bf16 step is faster than fp32's); a size where it is ``EMULATED`` x behind ends its
     race."""
@@ -452,7 +469,7 @@ def _complete(found: dict[str, dict[int, float]]) -> tuple[dict[str, dict[int, f
 # --------------------------------------------------------------------------------------------------
 
 
-def _probe(config, layers: int, dtype: torch.dtype, prepare) -> nn.Module:
+def _probe(config, layers: int, dtype: torch.dtype, prepare: ServingPath | None) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     cfg = config.__class__.from_dict(config.to_dict())
@@ -476,7 +493,8 @@ def _scaled(t: Timing, factor: float) -> Timing:
 
 @torch.no_grad()
 def _decode_ms(model: nn.Module, rows: int, batch: int, vocab: int) -> Timing:
-    """One forward of ``rows`` new tokens per sequence after a ``PREFIX``-token cache (trimmed back after each)."""
+    """One bare HF forward of ``rows`` new tokens per sequence after a ``PREFIX``-token cache (trimmed back after
+    each): timed only where no serving path is given (`curve_timer`); the served forward is the runtime's."""
     from transformers import DynamicCache
 
     g = torch.Generator().manual_seed(0)
@@ -525,33 +543,27 @@ def _stale(cached: dict[str, dict[int, float]], fresh: dict[str, float], key: in
 
 
 def measure_curves(
-    workload: str, config, dtypes: Sequence[str], prepare: Callable[[nn.Module], object] | None = None
+    workload: str, config, dtypes: Sequence[str], prepare: ServingPath | None = None
 ) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]]:
     """(dtype → key → ms, dtype → key → spread) of ``workload`` for a full target of ``config`` (`_race`)."""
     return _race(workload, dtypes, curve_timer(workload, config, prepare))
 
 
-def curve_timer(
-    workload: str, config, prepare: Callable[[nn.Module], object] | None = None
-) -> Callable[[str, int], Timing]:
-    """``time_one(dtype, key) -> Timing`` (ms) of ``workload`` for a full target of ``config``, from probes with 1
-    and ``PROBE_LAYERS`` layers: a full forward is ``t1 + (L - 1)(tn - t1) / (n - 1)``, taken for the i-th fastest
-    call of each probe in turn (best with best, median with median), so the spread carries the extrapolation's
-    amplification of noise in ``tn - t1``."""
+def curve_timer(workload: str, config, prepare: ServingPath | None = None) -> Callable[[str, int], Timing]:
+    """``time_one(dtype, key) -> Timing`` (ms) of ``workload`` for a full target of ``config``, on a probe of the
+    target's full depth in that dtype (built once per dtype). Decode forwards go through ``prepare.forward_ms`` (the
+    runtime's forward); without a serving path, the bare HF forward (`_decode_ms`). No extrapolation from shallower
+    probes: ``t1 + (L - 1)(t8 - t1) / 7`` weighs the 1-layer time by -4.1 on a 30-layer target, so a disturbed call
+    of the small probe made a larger forward look cheaper (measured: fp32 t(2) 227 against t(4) 197 ms on SmolLM2,
+    each with a 1-4 % spread, where the runtime's forward timed in turn gave 163 and 178)."""
     text = config.get_text_config()
-    layers, vocab = text.num_hidden_layers, text.vocab_size
-    deep = min(PROBE_LAYERS, layers)
-    probes: dict[str, list[nn.Module]] = {}
+    vocab = text.vocab_size
+    probes: dict[str, nn.Module] = {}
 
-    def full(name: str, run: Callable[[nn.Module], Timing]) -> Timing:
+    def probe(name: str) -> nn.Module:
         if name not in probes:
-            probes[name] = [_probe(text, n, getattr(torch, name), prepare) for n in (1, deep)]
-        one, deeper = (sorted(run(p).samples) for p in probes[name])
-        out = []
-        for t1, tn in zip(one, deeper):
-            per_layer = (tn - t1) / (deep - 1) if deep > 1 else 0.0
-            out.append(t1 + (layers - 1) * max(per_layer, 0.0))
-        return Timing(tuple(out))
+            probes[name] = _probe(text, text.num_hidden_layers, getattr(torch, name), prepare)
+        return probes[name]
 
     def time_one(name: str, key: int) -> Timing:
         dtype = getattr(torch, name)
@@ -561,9 +573,11 @@ def curve_timer(
             return _train_ms(_probe(text, 1, torch.float32, None), dtype, vocab)
         if key == PREFILL:
             tokens = PREFIX * (DISTILL_BATCH if workload == "distill" else 1)
-            return _scaled(full(name, lambda p: _prefill_ms(p, vocab)), tokens / PREFILL_CHUNK)
+            return _scaled(_prefill_ms(probe(name), vocab), tokens / PREFILL_CHUNK)
         batch, rows = (DISTILL_BATCH, 1) if workload == "distill" else (1, key)
-        return full(name, lambda p: _decode_ms(p, rows, batch, vocab))
+        if prepare is None:
+            return _decode_ms(probe(name), rows, batch, vocab)
+        return prepare.forward_ms(probe(name), rows, PREFIX, batch)
 
     return time_one
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +37,7 @@ from transformers import (
 )
 from transformers.cache_utils import Cache
 
-from models.precision import PrecisionChoice, choose, user_choice
+from models.precision import PrecisionChoice, ServingPath, choose, user_choice
 from models.reference import resolve_target
 
 # Written into drafter checkpoints beside the ids so a reader never has to guess the ±1 convention.
@@ -309,7 +309,7 @@ class TargetModel(nn.Module):
         cls,
         cfg: TargetConfig,
         workload: str = "serve",
-        prepare: Callable[[nn.Module], object] | None = None,
+        prepare: ServingPath | None = None,
         acceptance: Sequence[float] | None = None,
     ) -> TargetModel:
         """Load `cfg.name_or_path` with `AutoModelForCausalLM` and wrap it. ``dtype="fastest"`` asks the precision

@@ -117,7 +117,8 @@ def quick_target(name: str, dtype: str, t0: float) -> tuple[TargetModel, TargetM
     """(served target, the vanilla baseline's target, tokenizer, stop ids) of the quick start, in the precision
     policy's serving choice (models/precision.py; measured once per machine, then cached), sized with the first
     shipped drafter's held-out acceptance; ``dtype`` other than "fastest" makes it the user's choice."""
-    from infer.serving import quiet_routing, serving_targets
+    from infer.forward_cost import quiet_routing
+    from infer.serving import serving_targets
     from models.checkpoint import read_checkpoint
     from models.target import TargetConfig, TargetModel, load_tokenizer, stop_ids
 
@@ -221,7 +222,7 @@ def precision(argv: list[str]) -> None:
     import torch
     from transformers import AutoConfig
 
-    from infer.serving import quiet_routing
+    from infer.forward_cost import quiet_routing
     from models.precision import WORKLOADS, choose, machine
     from models.reference import resolve_target
 

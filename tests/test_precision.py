@@ -18,7 +18,6 @@ from models.precision import (
     GEMM,
     PREFILL,
     PREFIX,
-    PROBE_LAYERS,
     PrecisionChoice,
     choose,
     cpu_bf16_is_fast,
@@ -178,7 +177,7 @@ def test_a_real_measurement_is_cached_per_machine_and_target(measured, tmp_path,
     a lock left by a process that died does not block the next one for ever."""
     import models.precision as precision
 
-    config = tiny_llama(layers=PROBE_LAYERS + 2).config
+    config = tiny_llama(layers=3).config
     first = choose("serve", config, cache_dir=tmp_path)
     assert first.source == "measured" and set(first.curves["float32"]) == {PREFILL, *precision.SERVE_ROWS}
     assert all(ms > 0 for ms in first.curves["float32"].values())
@@ -400,3 +399,51 @@ def test_a_serving_choice_made_at_load_is_decided_again_not_timed_again(measured
     # a drafter that accepts more: the same curves now choose bf16 for speculation, the baseline stays fp32
     assert redecide(target.precision, [0.9] * 7).dtype == "bfloat16"
     assert redecide(target.precision, [0.9] * 7).vanilla_dtype == "float32"
+
+
+def test_the_policy_the_sizing_and_the_vanilla_check_time_through_one_function(tiny_target, tmp_path, monkeypatch):
+    """The policy's serving curves, the sizing's verify and vanilla costs and the vanilla check all read
+    `infer.forward_cost.forward_timings` (the runtime's forward): a fake one is what each of them reports, the
+    policy's t(1) being the faster vanilla loop and t(n > 1) the verify forward of n nodes after ``PREFIX`` tokens."""
+    import eval.cost_curve as cost_curve
+    import infer.forward_cost as forward_cost
+    import models.precision as precision
+
+    monkeypatch.delenv(precision.CPU_BF16_ENV, raising=False)
+    asked = []
+
+    def fake(target, context, sizes, reps, aux=False, rows=1, loops=()):
+        asked.append((len(context), tuple(sizes), rows, tuple(loops)))
+        slower = 2.0 if target.dtype == torch.bfloat16 else 1.0
+        out = {n: Timing((slower * (0.030 + 0.002 * n),)) for n in sizes}
+        return out | {name: Timing((slower * {"plain": 0.031, "masked": 0.033}[name],)) for name in loops}
+
+    monkeypatch.setattr(forward_cost, "forward_timings", fake)
+    c = choose("serve", tiny_llama(layers=2).config, cache_dir=tmp_path, prepare=forward_cost.quiet_routing)
+    assert c.curves["float32"][1] == pytest.approx(31.0) and c.curves["bfloat16"][1] == pytest.approx(62.0)
+    assert c.curves["float32"][8] == pytest.approx(46.0) and c.curves["bfloat16"][16] == pytest.approx(124.0)
+    assert (PREFIX + 1, (), 1, ("plain", "masked")) in asked and (PREFIX + 1, (16,), 1, ()) in asked
+    assert c.dtype == "float32"
+
+    context = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    curve, vanilla = cost_curve.step_costs(tiny_target, context, (2, 4), reps=2, aux=False)
+    assert curve == pytest.approx({2: 0.034, 4: 0.038}) and vanilla == pytest.approx(0.031)  # tiny_target: plain
+    assert cost_curve.vanilla_step_cost(tiny_target, context, 2, "masked") == pytest.approx(0.033)
+    row = {
+        "vanilla_mean_answer_tokens": 4.0,
+        "vanilla_ms": {"forward": 5.0, "bookkeeping": 0.5, "prefill_total": 10.0, "total": 200.0},
+    }
+    check = cost_curve.vanilla_check(tiny_target, [context], row, reps=2)
+    assert check["forward_ms_by_loop"] == pytest.approx({"plain": 31.0, "masked": 33.0})
+    assert check["verify_ms"] == pytest.approx({n: 30.0 + 2 * n for n in (1, 2, 3, 4, 6, 8)})
+
+
+def test_the_served_forward_times_the_runtimes_forward_of_a_model():
+    """`infer.forward_cost.quiet_routing.forward_ms` on a plain HF model: the vanilla loops at one row, the verify
+    forward above it and at a batch, each the configured number of timed calls (no assertion on the times)."""
+    from infer.forward_cost import SERVE_REPS, quiet_routing
+
+    model = tiny_llama(layers=1)
+    for rows, batch in ((1, 1), (3, 1), (1, 4)):
+        timing = quiet_routing.forward_ms(model, rows, prefix=8, batch=batch)
+        assert len(timing.samples) >= SERVE_REPS and timing.best > 0

@@ -188,7 +188,7 @@ def test_a_real_measurement_is_cached_per_machine_and_target(measured, tmp_path,
     again = choose("serve", config, cache_dir=tmp_path)
     assert again.source == "cached" and again.curves == first.curves
     monkeypatch.setattr(precision, "curve_timer", real_timer)
-    other = tiny_llama(layers=3).config  # another target shape: its own entry
+    other = tiny_llama(layers=2).config  # another target shape: its own entry
     assert choose("serve", other, cache_dir=tmp_path).source != "cached"
     assert choose("serve", config, cache_dir=tmp_path, refresh=True).source != "cached"
     for path in tmp_path.glob("serve-*.json"):

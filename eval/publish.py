@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -140,8 +141,12 @@ def files_section(folder: Path, exports: list[EngineExport]) -> str:
 
 def engines_section(folder: Path, exports: list[EngineExport]) -> str:
     """Each engine folder written (its README) and each layout refused for this drafter, with the reason."""
-    written = [e for e in exports if e.write is not None]
+    written = [e for e in exports if e.write is not None and (folder / e.folder).is_dir()]
     parts = [f"### `{e.folder}/`\n\n{(folder / e.folder / 'README.md').read_text().strip()}" for e in written]
+    left = [f"- `{e.folder}/`: {e.what}." for e in exports if e.write is not None and e not in written]
+    if left:
+        parts.append("Layouts this drafter takes that this folder leaves out (to keep it small); "
+                     "`drafters publish <this folder> --out <folder>` writes every one:\n\n" + "\n".join(left))  # fmt: skip
     refused = [f"- `{e.folder}/` is not here: {e.what}." for e in exports if e.write is None]
     if refused:
         parts.append("Layouts of this family refused for this drafter (written by no one, so nothing to load):\n\n"
@@ -222,15 +227,21 @@ def _stored_dtype(weights: Path) -> torch.dtype:
     return next(t.dtype for t in load_file(str(weights)).values() if t.is_floating_point())
 
 
-def write_engine_folders(drafter: torch.nn.Module, out: Path, dtype: torch.dtype) -> list[EngineExport]:
-    """Every engine folder of the drafter's family into ``out``, in ``dtype``; an ``export-*`` folder already there
-    is replaced, so the folder holds what these weights make and nothing a training run left. A weights file equal
-    tensor for tensor to ``out``'s own becomes a link to it (EAGLE-3's SGLang keys are ours: one copy in a repository)."""
+def write_engine_folders(
+    drafter: torch.nn.Module, out: Path, dtype: torch.dtype, layouts: Sequence[str] | None = None
+) -> list[EngineExport]:
+    """Every engine folder of the drafter's family into ``out``, in ``dtype`` (only those named in ``layouts`` when
+    given); an ``export-*`` folder already there is replaced, so the folder holds what these weights make and nothing
+    a training run left. A weights file equal tensor for tensor to ``out``'s own becomes a link to it (EAGLE-3's
+    SGLang keys are ours: one copy in a repository)."""
     for stale in out.glob("export-*"):
         shutil.rmtree(stale)
     exports = family_of(drafter).engine_exports(drafter.to(dtype))
+    unknown = set(layouts or ()) - {e.folder for e in exports}
+    if unknown:
+        raise ValueError(f"no such layout for this drafter: {sorted(unknown)}; it has {[e.folder for e in exports]}")
     for e in exports:
-        if e.write is None:
+        if e.write is None or (layouts is not None and e.folder not in layouts):
             continue
         written = e.write(out / e.folder) / WEIGHTS_NAME
         if written.exists() and _same_tensors(written, out / WEIGHTS_NAME):
@@ -251,12 +262,14 @@ def publish(
     leaderboard: str | Path | None = None,
     report: str | Path | None = None,
     target: TargetModel | None = None,
+    layouts: Sequence[str] | None = None,
 ) -> Path:
     """Write the publishable folder of ``checkpoint`` into ``out_dir`` (the checkpoint folder itself is allowed:
     its engine folders and card are rewritten in place). The card's table: ``leaderboard`` (a leaderboard.json), else
     ``report`` (a report.json), else the checkpoint's own report.json. ``target``: the target the drafter loads on
     (default: the one its ``drafters`` block names, in fp32 on the CPU: only the exports' shapes and the target's
-    own tensors some layouts carry are read from it). Returns ``out_dir``."""
+    own tensors some layouts carry are read from it). ``layouts``: the engine folders to write (default every one);
+    the card names those left out. Returns ``out_dir``."""
     src, out = Path(checkpoint), Path(out_dir)
     _, info = read_checkpoint(src)  # refuses a folder that is not a drafters checkpoint, before anything is written
     if target is None:
@@ -270,7 +283,7 @@ def publish(
                 shutil.copy2(src / name, out / name)
         if (src / TARGET_DIR).exists():  # a jointly trained target's changes ride along (`load_target` applies them)
             shutil.copytree(src / TARGET_DIR, out / TARGET_DIR, dirs_exist_ok=True)
-    exports = write_engine_folders(drafter, out, _stored_dtype(src / WEIGHTS_NAME))
+    exports = write_engine_folders(drafter, out, _stored_dtype(src / WEIGHTS_NAME), layouts)
     board = Path(leaderboard) if leaderboard is not None else None
     measured = Path(report) if report is not None else None
     (out / "README.md").write_text(model_card(out, info, exports, board, measured))
@@ -304,6 +317,7 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--out", type=Path, help="folder to write (default: <checkpoint>-published)")
     ap.add_argument("--leaderboard", type=Path, help="a leaderboard.json whose rows make the card's table")
     ap.add_argument("--report", type=Path, help="a report.json for the card's table (default: the checkpoint's)")
+    ap.add_argument("--layouts", nargs="+", help="engine folders to write (default every one; the card names the rest)")
     ap.add_argument("--push-to", help="hub repo id to upload to (needs a token and a network)")
     ap.add_argument("--target", help="the target to load the drafter on (default: the one its checkpoint names)")
     args = ap.parse_args(argv)
@@ -313,7 +327,7 @@ def main(argv: list[str] | None = None) -> Path:
         cfg = TargetConfig(args.target, dtype="float32", device="cpu", aux_layer_ids=info.aux_layer_ids or None)
         target = load_target(args.checkpoint, cfg)
     out = publish(args.checkpoint, args.out or args.checkpoint.with_name(args.checkpoint.name + "-published"),
-                  args.leaderboard, args.report, target)  # fmt: skip
+                  args.leaderboard, args.report, target, args.layouts)  # fmt: skip
     print(f"published {args.checkpoint} into {out} (model card: {out / 'README.md'})")
     if args.push_to:
         push(out, args.push_to)

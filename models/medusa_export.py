@@ -1,10 +1,14 @@
 """Medusa engine exports: vLLM (``model_type: medusa``) and the original layout (FasterDecoding, TensorRT-LLM);
 the shared writing machinery is `models.export`, the list of refusals docs/exports.md.
 
-Medusa heads (REFERENCE.md, "Medusa"); both layouts carry one lm_head per head (a shared-head drafter writes the
-target's head under every head: the engines load the heads from the drafter folder, not from the target):
+Medusa heads (REFERENCE.md, "Medusa"). The engines load the heads' lm_heads from the drafter folder, not from the
+target, so a shared-head drafter carries the target's head too, in the drafter's own dtype (a bf16 drafter of a bf16
+hub target: the same values, half the bytes of an fp32 copy):
 
-- vLLM (``model_type: "medusa"``): ``blocks.{h}.layers.{j}.{weight,bias}`` and ``lm_heads.{h}.weight``.
+- vLLM (``model_type: "medusa"``): ``blocks.{h}.layers.{j}.{weight,bias}``; per-head heads as ``lm_heads.{h}.weight``,
+  a shared head once as ``lm_head.weight`` with ``original_lm_head: true`` (vllm/model_executor/models/medusa.py:
+  that flag builds one ParallelLMHead named ``lm_head`` and hands it to every head; its ``load_weights`` takes the
+  tensor as ``lm_head.weight``, or as ``lm_heads.0.weight``).
 - original Medusa (FasterDecoding) and TensorRT-LLM's converter: ``medusa_lm_head.pt`` (a torch pickle: FasterDecoding
   opens nothing else; TensorRT-LLM prefers it) with ``{h}.{l}.linear.{weight,bias}`` and ``{h}.{L}.weight``; config
   ``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``. TensorRT-LLM takes the head count from
@@ -32,9 +36,16 @@ FASTERDECODING_BASES = ("LlamaForCausalLM", "MistralForCausalLM")
 """FasterDecoding's MedusaModel.from_pretrained accepts model_type llama or mistral only."""
 
 
+def _dtype(drafter: MedusaDrafter) -> torch.dtype:
+    """The drafter's own dtype: its blocks' (a shared head is the target's module, in the target's dtype)."""
+    own = [p.dtype for p in drafter.blocks.parameters()] or [drafter.output_head(0).weight.dtype]
+    return own[0]
+
+
 def _medusa_heads(drafter: MedusaDrafter) -> list[torch.Tensor]:
-    # copies: a shared head is one tensor, and safetensors refuses several names for one storage
-    return [drafter.output_head(k).weight.detach().clone() for k in range(drafter.config.num_heads)]
+    """Head k's lm_head weight, in the drafter's dtype (copies: safetensors refuses several names for one storage)."""
+    dtype = _dtype(drafter)
+    return [drafter.output_head(k).weight.detach().to(dtype).clone() for k in range(drafter.config.num_heads)]
 
 
 def medusa_vllm_config(drafter: MedusaDrafter) -> dict:
@@ -48,8 +59,8 @@ def medusa_vllm_config(drafter: MedusaDrafter) -> dict:
         "num_heads": cfg.num_heads,
         "num_hidden_layers": cfg.num_layers,
         "medusa_fc_bias": True,
-        "original_lm_head": False,
-        "torch_dtype": str(drafter.output_head(0).weight.dtype).removeprefix("torch."),
+        "original_lm_head": cfg.shared_head,
+        "torch_dtype": str(_dtype(drafter)).removeprefix("torch."),
     }
 
 
@@ -67,7 +78,13 @@ def _medusa_state(drafter: MedusaDrafter, block_key: str, head_key: str) -> dict
 
 
 def medusa_vllm_state_dict(drafter: MedusaDrafter) -> dict[str, torch.Tensor]:
-    return _medusa_state(drafter, "blocks.{}.layers.{}.{}", "lm_heads.{}.weight")
+    """vLLM's names; a shared head is written once (``lm_head.weight``, read with ``original_lm_head``)."""
+    state = _medusa_state(drafter, "blocks.{}.layers.{}.{}", "lm_heads.{}.weight")
+    if drafter.config.shared_head:
+        state["lm_head.weight"] = state.pop("lm_heads.0.weight")
+        for h in range(1, drafter.config.num_heads):
+            del state[f"lm_heads.{h}.weight"]
+    return state
 
 
 def save_medusa_vllm(drafter: MedusaDrafter, out_dir: str | Path) -> Path:
@@ -140,7 +157,7 @@ def medusa_original_state_dict(drafter: MedusaDrafter) -> dict[str, torch.Tensor
 def _medusa_original_readme(drafter: MedusaDrafter, base: str) -> str:
     cfg, info = drafter.config, drafter.target_info
     n, layers = cfg.num_heads, cfg.num_layers
-    dtype = str(drafter.output_head(0).weight.dtype).removeprefix("torch.")
+    dtype = str(_dtype(drafter)).removeprefix("torch.")
     fd = (  # medusa_original_refusal passed: one ResBlock per head, at most five heads, a llama / mistral base
         "FasterDecoding loads it exactly. It always builds 5 heads: "
         + (f"heads {n}..4 stay untrained, so use `medusa_choices` no deeper than {n}. " if n < 5 else "")
@@ -188,8 +205,11 @@ def medusa_engine_exports(drafter: MedusaDrafter) -> list[EngineExport]:
     """The Medusa engine folders of a trained drafter: vLLM always, the original layout where FasterDecoding builds
     the heads as trained (`medusa_original_refusal`)."""
     cfg = drafter.config
-    heads = f"{cfg.num_heads} heads x {cfg.num_layers} ResBlock(s), one lm_head per head"
-    exports = [EngineExport("export-vllm", lambda out: save_medusa_vllm(drafter, out), f"vLLM `medusa`: {heads}")]
+    heads = f"{cfg.num_heads} heads x {cfg.num_layers} ResBlock(s)"
+    vllm_heads = "the target's lm_head once, shared (`original_lm_head`)" if cfg.shared_head else "one lm_head per head"
+    write_vllm = lambda out: save_medusa_vllm(drafter, out)  # noqa: E731
+    exports = [EngineExport("export-vllm", write_vllm, f"vLLM `medusa`: {heads}, {vllm_heads}")]
+    heads += ", one lm_head per head (the layout has no shared head)"
     why = medusa_original_refusal(drafter)
     if why is None:
         write = lambda out: save_medusa_original(drafter, out)  # noqa: E731

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--recipe", required=True, help="the recipe that made it (named in the notes)")
     ap.add_argument("--note", default="", help="one line on how it was made beyond the recipe (resumed runs, stages)")
     ap.add_argument("--leaderboard", type=Path, help="a leaderboard.json whose rows make the card's table")
+    ap.add_argument("--layouts", nargs="+", help="engine folders to write (default every one; the card names the rest)")
     args = ap.parse_args(argv)
     ckpt, out = args.checkpoint, args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("config.json", "recipe.yaml", "train_log.jsonl"):
         shutil.copy(ckpt / name, out / name)
     (out / "NOTES.md").write_text(notes(ckpt, args.recipe, args.note, size))
-    publish(out, out, leaderboard=args.leaderboard)  # the engine folders from the bf16 weights, and the card
+    publish(out, out, leaderboard=args.leaderboard, layouts=args.layouts)  # engine folders from the bf16 weights, card
     print(f"shipped {ckpt} → {out} ({size / 2**20:.1f} MiB of weights)")
 
 

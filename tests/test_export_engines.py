@@ -567,25 +567,38 @@ def test_vllm_medusa_export_holds_what_vllm_loads(named_target, tmp_path):
     # model_type selects vLLM's MedusaConfig and the "medusa" method (speculative.py); the model is built from these
     assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
     assert (config["num_heads"], config["num_hidden_layers"], config["hidden_size"]) == (3, 2, H)
-    # medusa.py: ResidualBlock's Linear has a bias only with medusa_fc_bias; original_lm_head false = one head each;
-    # load_weights asserts truncated_vocab_size == vocab_size unless a token_map is given
-    assert config["medusa_fc_bias"] is True and config["original_lm_head"] is False
+    # medusa.py: ResidualBlock's Linear has a bias only with medusa_fc_bias; original_lm_head true = one ParallelLMHead
+    # named lm_head, handed to every head; load_weights asserts truncated_vocab_size == vocab_size unless a token_map
+    assert config["medusa_fc_bias"] is True and config["original_lm_head"] is True
     assert config["truncated_vocab_size"] == config["vocab_size"] == V
     state = load_file(str(out / "model.safetensors"))
     want = {f"blocks.{h}.layers.{j}.weight": (H, H) for h in range(3) for j in range(2)}
     want |= {f"blocks.{h}.layers.{j}.bias": (H,) for h in range(3) for j in range(2)}
-    want |= {f"lm_heads.{h}.weight": (V, H) for h in range(3)}
-    assert _shapes(state) == want  # Medusa.named_parameters(): every one loaded, nothing left over
+    want |= {"lm_head.weight": (V, H)}  # the shared head once: Medusa.named_parameters() with original_lm_head
+    assert _shapes(state) == want  # every parameter loaded, nothing left over
     assert all(v.dtype == torch.float32 for v in state.values())
     assert torch.equal(state["blocks.2.layers.1.bias"], drafter.blocks[2][1].linear.bias)
-    assert torch.equal(state["lm_heads.1.weight"], named_target.lm_head.weight)  # the shared head, per head
+    assert torch.equal(state["lm_head.weight"], named_target.lm_head.weight)
     assert '"num_speculative_tokens": 3' in (out / "README.md").read_text()
+
+
+def test_a_bf16_medusa_drafter_writes_the_shared_head_in_bf16(named_target, tmp_path):
+    """A shipped drafter is bf16 while the target it loads on may be fp32: the head is written in the drafter's dtype
+    (the engines cast to their serving dtype on load), once."""
+    drafter = _medusa(named_target, heads=3, layers=1, shared=True).to(torch.bfloat16)
+    assert named_target.lm_head.weight.dtype == torch.float32
+    out = save_medusa_vllm(drafter, tmp_path / "vllm")
+    state = load_file(str(out / "model.safetensors"))
+    assert {v.dtype for v in state.values()} == {torch.bfloat16}
+    assert torch.equal(state["lm_head.weight"], named_target.lm_head.weight.to(torch.bfloat16))
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
 class _VllmMedusa(nn.Module):
     """vllm/model_executor/models/medusa.py, as the config builds it: ``num_heads`` ResidualBlocks of
     ``num_hidden_layers`` Linear layers (bias from ``medusa_fc_bias``), each ``x = x + SiLU(layer(x))``, then one
-    ParallelLMHead per head (``original_lm_head`` false) over ``truncated_vocab_size`` ids."""
+    ParallelLMHead per head over ``truncated_vocab_size`` ids, or with ``original_lm_head`` one named ``lm_head`` that
+    every head uses."""
 
     def __init__(self, config: dict) -> None:
         super().__init__()
@@ -596,13 +609,33 @@ class _VllmMedusa(nn.Module):
             block.layers = nn.ModuleList(
                 nn.Linear(hidden, hidden, bias=bias) for _ in range(config["num_hidden_layers"])
             )
-        self.lm_heads = nn.ModuleList(
-            nn.Linear(hidden, config["truncated_vocab_size"], bias=False) for _ in range(config["num_heads"])
-        )
+        if config["original_lm_head"]:
+            self.lm_head = nn.Linear(hidden, config["truncated_vocab_size"], bias=False)
+            self._shared = True
+        else:
+            self.lm_heads = nn.ModuleList(
+                nn.Linear(hidden, config["truncated_vocab_size"], bias=False) for _ in range(config["num_heads"])
+            )
+            self._shared = False
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Medusa.load_weights: a name among the parameters is loaded; with original_lm_head, ``lm_heads.0.weight``
+        stands for ``lm_head.weight``; anything else is dropped. Every parameter must be loaded (strict here)."""
+        params, loaded = dict(self.named_parameters()), {}
+        for name, tensor in state.items():
+            if name in params:
+                loaded[name] = tensor
+            elif self._shared and name == "lm_heads.0.weight":
+                loaded["lm_head.weight"] = tensor
+        assert loaded.keys() == params.keys(), sorted(set(params) ^ set(loaded))
+        self.load_state_dict(loaded, strict=True)
+
+    def heads(self) -> list[nn.Module]:
+        return [self.lm_head] * len(self.blocks) if self._shared else list(self.lm_heads)
 
     def forward(self, hidden_states: torch.Tensor) -> list[torch.Tensor]:
         out = []
-        for block, lm_head in zip(self.blocks, self.lm_heads):
+        for block, lm_head in zip(self.blocks, self.heads()):
             x = hidden_states
             for layer in block.layers:
                 x = x + nn.functional.silu(layer(x))
@@ -610,16 +643,17 @@ class _VllmMedusa(nn.Module):
         return out
 
 
-def test_vllm_medusa_heads_compute_ours_on_the_hidden_state_vllm_feeds(named_target, tmp_path):
+@pytest.mark.parametrize("shared", [False, True])
+def test_vllm_medusa_heads_compute_ours_on_the_hidden_state_vllm_feeds(named_target, tmp_path, shared):
     """vLLM feeds Medusa the target model's output (v1/worker/gpu_model_runner.py propose_draft_token_ids:
     ``target_hidden_states=hidden_states`` for method medusa), and its LlamaModel.forward returns the output of the
     final norm: the hidden state our heads read in training (TargetOutput.last_hidden). Head k's top-1 is the k-th
     draft after the target's own next token (v1/spec_decode/medusa.py: ``logit.argmax`` per head, in head order),
     the token t+2+k our head k is trained on."""
-    drafter = _medusa(named_target, heads=3, layers=2)
+    drafter = _medusa(named_target, heads=3, layers=2, shared=shared)
     out = save_medusa_vllm(drafter, tmp_path / "vllm")
     vllm = _VllmMedusa(vllm_medusa_config(json.loads((out / "config.json").read_text())))
-    vllm.load_state_dict(load_file(str(out / "model.safetensors")), strict=True)  # every parameter, nothing else
+    vllm.load_weights(load_file(str(out / "model.safetensors")))
     ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         fed = named_target.hf_model(ids, output_hidden_states=True).hidden_states[-1]  # LlamaModel's output (normed)

@@ -90,12 +90,12 @@ def test_exports_follow_the_vllm_and_original_key_maps(tiny_target, tmp_path):
     H, V = tiny_target.hidden_size, tiny_target.vocab_size
     vllm = medusa_vllm_state_dict(heads)
     want = {f"blocks.{h}.layers.{j}.{w}" for h in range(2) for j in range(2) for w in ("weight", "bias")}
-    assert set(vllm) == want | {"lm_heads.0.weight", "lm_heads.1.weight"}
-    assert vllm["blocks.1.layers.0.weight"].shape == (H, H) and vllm["lm_heads.1.weight"].shape == (V, H)
-    assert torch.equal(vllm["lm_heads.0.weight"], tiny_target.lm_head.weight)  # the shared head, written per head
+    assert set(vllm) == want | {"lm_head.weight"}
+    assert vllm["blocks.1.layers.0.weight"].shape == (H, H) and vllm["lm_head.weight"].shape == (V, H)
+    assert torch.equal(vllm["lm_head.weight"], tiny_target.lm_head.weight)  # the shared head, written once
     cfg = medusa_vllm_config(heads)
     assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 2 and cfg["num_hidden_layers"] == 2
-    assert cfg["medusa_fc_bias"] is True and cfg["original_lm_head"] is False and cfg["vocab_size"] == V
+    assert cfg["medusa_fc_bias"] is True and cfg["original_lm_head"] is True and cfg["vocab_size"] == V
     original = medusa_original_state_dict(heads)
     assert set(original) == {f"{h}.{j}.linear.{w}" for h in range(2) for j in range(2) for w in ("weight", "bias")} | {
         "0.2.weight",

@@ -91,3 +91,15 @@ def test_a_refused_layout_is_named_with_its_reason_and_card_rows_name_their_cate
         and "| 0 | code | eagle3 | chain 3 | 1.85 | 0.90x |" in card
     )
     assert "| all |" not in card
+
+
+def test_layouts_left_out_are_named_in_the_card_and_an_unknown_one_is_refused(tiny_target, tmp_path):
+    ckpt = _checkpoint(tiny_target, tmp_path, [ROW])
+    out = publish(ckpt, tmp_path / "small", target=tiny_target, layouts=["export-speculators"])
+    assert sorted(p.name for p in out.glob("export-*")) == ["export-speculators"]
+    card = (out / "README.md").read_text()
+    assert "### `export-speculators/`" in card and "### `export-sglang/`" not in card
+    left = card.split("leaves out", 1)[1]
+    assert "- `export-sglang/`:" in left and "writes every one" in left and "is not here" not in card
+    with pytest.raises(ValueError, match="no such layout for this drafter: \\['export-trt'\\]"):
+        publish(ckpt, tmp_path / "other", target=tiny_target, layouts=["export-trt"])

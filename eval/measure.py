@@ -224,6 +224,12 @@ class MeasurePlan:
     """What the rows say the drafters ran in (None: the served dtype)."""
     batch_repeats: int = 1
     """At batch sizes above 1, how many times every method decodes each batch in turn."""
+    greedy_only: frozenset[str] = frozenset()
+    """Candidate keys and HF peer names measured at T = 0 only (their T > 0 rows are left out, not estimated)."""
+
+    def runs(self, name: str, temp: float) -> bool:
+        """Whether the method ``name`` (a candidate's key or an HF peer's name) is measured at ``temp``."""
+        return temp == 0.0 or name not in self.greedy_only
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -353,7 +359,12 @@ def _announce(plan: MeasurePlan, candidates: list[Candidate], log: Callable[[str
     generate_vanilla(target, [plan.prompts[0].ids], SamplingParams(max_new_tokens=8))
     step_s = (clock(target.device) - t) / 8
     reps = {bs: plan.repeats(bs) for bs in batch_sizes}
-    calls = len(temperatures) * sum(reps[bs] * (2 + len(candidates)) + len(plan.hf_assisted) for bs in batch_sizes)
+    calls = sum(
+        reps[bs] * (2 + sum(plan.runs(c.key, t) for c in candidates))
+        + sum(plan.runs(name, t) for name in plan.hf_assisted) * (bs == 1)
+        for t in temperatures
+        for bs in batch_sizes
+    )
     calls += 2 * len(temperatures) * sum(reps.values()) if plan.vanilla_target is not None else 0
     n, new = len(plan.prompts), plan.max_new_tokens
     log(
@@ -392,8 +403,10 @@ def time_cell(
     cell = CellTallies(temp, bs, plan.repeats(bs), {})
     for b in batches:
         cell.prompts[b[0].category] = cell.prompts.get(b[0].category, 0) + len(b)
+    candidates = [c for c in candidates if plan.runs(c.key, temp)]
+    assisted = {name: kw for name, kw in plan.hf_assisted.items() if plan.runs(name, temp)} if bs == 1 else {}
     cell.methods = {c.key: Tally() for c in candidates}
-    cell.assisted = {name: Tally() for name in plan.hf_assisted} if bs == 1 else {}
+    cell.assisted = {name: Tally() for name in assisted}
     for rep_bi in range(len(batches) * cell.repeats):
         bi = rep_bi % len(batches)  # repeats after the whole round of batches: every method once per repeat
         batch = batches[bi]
@@ -412,7 +425,7 @@ def time_cell(
             if other_target is not None:
                 toks, s = hf_generate(other_target.model, ids[0], params, eos_ids)
                 cell.hf_other.add(cat, len(toks), s)
-            for name, kw in plan.hf_assisted.items():
+            for name, kw in assisted.items():
                 toks, s = hf_generate(target.model, ids[0], params, eos_ids, **kw)
                 same, div = identity(judges.served, ids, ref.tokens, [toks], where) if params.greedy else (0, [])
                 cell.assisted[name].add(cat, len(toks), s, None, same, int(params.greedy), div)

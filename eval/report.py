@@ -114,6 +114,8 @@ class ReportConfig(*FAMILY_OPTIONS):
     """Layers of the undistilled cut (models/draft_model.py)."""
     draft_model_tree: bool = True
     """The draft model in the EAGLE-2 tree setting too, beside its chain (off: the chain only)."""
+    draft_model_sampled: bool = True
+    """The draft-model baseline (its rows and HF's assisted generation with it) at T > 0 too; off: at T = 0 only."""
     fp32_certificate: bool = True
     """Where the target is served below fp32, decode every T = 0 divergence of a lossless method again on an fp32 copy
     of the target from its first differing token (eval.measure.fp32_replay)."""
@@ -251,7 +253,7 @@ def candidates(
     draft, how = baseline_draft_model(cfg, target, log)
     if draft is not None:
         draft = draft.to(next(drafters[0].parameters()).device).eval()
-        name = f"draft model ({draft.config.num_hidden_layers} layers, {how})"
+        name = f"{DRAFT_MODEL} ({draft.config.num_hidden_layers} layers, {how})"
         if cfg.chain_k:
             dk = sizers[-1](lambda n: DraftModelProposer(draft, k=n), cfg.chain_k)
             out.append(Candidate(name, f"chain {dk}", lambda: DraftModelProposer(draft, k=dk)))
@@ -280,6 +282,9 @@ def baseline_draft_model(cfg: ReportConfig, target: TargetModel | None, log: Cal
         log(f"report: no draft model at {cfg.draft_model}; measuring the undistilled cut of the target instead")
     return cut_target(target, layers), "not distilled"
 
+
+DRAFT_MODEL = "draft model"
+"""The small draft-model baseline's name in rows (its setting follows in brackets)."""
 
 SizedChain = tuple[str, Callable[[int], Proposer], ChainSizing]
 """A chain sized on this machine: the proposer's name, how to build it at a length, and its sizing."""
@@ -353,6 +358,7 @@ def plan_report(
     measured = candidates(drafters, cfg, [sizer(f, n) for f, n in zip(folders, names)], target, log, families)
     neighbours = _chain_neighbours(measured, chains) if cfg.chain_neighbours else []
     batch_sizing, auto = _batch_auto(cfg, measured, chains, target, vanilla_target, ids, eos, log)
+    hf_assisted = _hf_peers(cfg, target, log)
     measurement = MeasurePlan(
         target,
         measured + neighbours + auto,
@@ -361,11 +367,12 @@ def plan_report(
         temperatures=tuple(cfg.temperatures),
         max_new_tokens=cfg.max_new_tokens,
         batch_sizes=tuple(cfg.batch_sizes),
-        hf_assisted=_hf_peers(cfg, target, log),
+        hf_assisted=hf_assisted,
         fp32_certificate=cfg.fp32_certificate,
         vanilla_target=vanilla_target,
         drafter_dtype=_dtype_of(drafters[0]),
         batch_repeats=cfg.batch_repeats,
+        greedy_only=frozenset() if cfg.draft_model_sampled else _draft_model_methods(measured, hf_assisted),
     )
     return ReportPlan(method, measurement, prompt_set, measured, chains, tree_sizing, batch_sizing)
 
@@ -437,6 +444,12 @@ def _batch_auto(
         owner.spec,
     )
     return sizing, [auto]
+
+
+def _draft_model_methods(measured: list[Candidate], hf_assisted: dict[str, dict]) -> frozenset[str]:
+    """The draft-model baseline's candidates and HF's assisted generation with it (`ReportConfig.draft_model_sampled`)."""
+    ours = {c.key for c in measured if c.proposer.startswith(DRAFT_MODEL)}
+    return frozenset(ours | {name for name, kw in hf_assisted.items() if "assistant_model" in kw})
 
 
 def _hf_peers(cfg: ReportConfig, target: TargetModel, log: Callable[[str], None]) -> dict[str, dict]:

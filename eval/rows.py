@@ -144,15 +144,15 @@ def rows_from_tallies(
     fp32: dict[tuple[int, str], Tally] | None = None,
 ) -> list[dict]:
     """The result rows of one (temperature, batch size): for all prompts and (with more than one category) each
-    category, one row per candidate and HF-assisted peer. Pure: counts and seconds in, rows out (no timing, no
-    model). ``fp32``: the certificate's tallies by (batch size, candidate key) (`eval.measure.fp32_replay`: each
+    category, one row per candidate and HF-assisted peer the cell measured (`cell.methods`). Pure: counts and seconds
+    in, rows out (no timing, no model). ``fp32``: the certificate's tallies by (batch size, candidate key) (`eval.measure.fp32_replay`: each
     divergence decoded again in fp32 from where it began; a key absent: nothing of that candidate diverged), None
     where no certificate ran."""
     cats = sorted(cell.prompts)
     rows = []
     for cat in ["all", *cats] if len(cats) > 1 else ["all"]:
         common, base, baseline_step = _common_fields(cell, cat, context)
-        named = [(c.proposer, c.setting, cell.methods[c.key], c) for c in candidates]
+        named = [(c.proposer, c.setting, cell.methods[c.key], c) for c in candidates if c.key in cell.methods]
         named += [(name, "HF generate", tally, None) for name, tally in cell.assisted.items()]
         for proposer, setting, tally, c in named:
             m = tally.merged(cat)

@@ -210,3 +210,11 @@ def test_rows_per_category_at_a_batch_without_hf_generate():
     assert all(r["hf_generate_tokens_per_s"] is None and r["vanilla_dtype"] == "bfloat16" for r in rows)
     assert [r["speedup"] for r in rows] == pytest.approx([1.0, 1.0, 1.0]) and rows[0]["tau"] == pytest.approx(2.0)
     assert rows[0]["greedy_identical"] is None  # T > 0: nothing compared
+
+
+def test_greedy_only_methods_run_at_t0_only():
+    from eval.measure import MeasuredPrompt, MeasurePlan
+
+    plan = MeasurePlan(None, [], [MeasuredPrompt([1, 2])], (0,), greedy_only=frozenset({"draft model / chain 1"}))
+    assert plan.runs("draft model / chain 1", 0.0) and not plan.runs("draft model / chain 1", 1.0)
+    assert plan.runs("eagle3 / chain 2", 1.0)

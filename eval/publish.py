@@ -234,12 +234,12 @@ def write_engine_folders(
     given); an ``export-*`` folder already there is replaced, so the folder holds what these weights make and nothing
     a training run left. A weights file equal tensor for tensor to ``out``'s own becomes a link to it (EAGLE-3's
     SGLang keys are ours: one copy in a repository)."""
-    for stale in out.glob("export-*"):
-        shutil.rmtree(stale)
     exports = family_of(drafter).engine_exports(drafter.to(dtype))
     unknown = set(layouts or ()) - {e.folder for e in exports}
-    if unknown:
+    if unknown:  # before anything on disk is touched
         raise ValueError(f"no such layout for this drafter: {sorted(unknown)}; it has {[e.folder for e in exports]}")
+    for stale in out.glob("export-*"):
+        shutil.rmtree(stale)
     for e in exports:
         if e.write is None or (layouts is not None and e.folder not in layouts):
             continue

@@ -145,9 +145,9 @@ def rows_from_tallies(
 ) -> list[dict]:
     """The result rows of one (temperature, batch size): for all prompts and (with more than one category) each
     category, one row per candidate and HF-assisted peer the cell measured (`cell.methods`). Pure: counts and seconds
-    in, rows out (no timing, no model). ``fp32``: the certificate's tallies by (batch size, candidate key) (`eval.measure.fp32_replay`: each
-    divergence decoded again in fp32 from where it began; a key absent: nothing of that candidate diverged), None
-    where no certificate ran."""
+    in, rows out (no timing, no model). ``fp32``: the certificate's tallies by (batch size, candidate key)
+    (`eval.measure.fp32_replay`: each divergence decoded again in fp32 from where it began; a key absent: nothing of
+    that candidate diverged), None where no certificate ran."""
     cats = sorted(cell.prompts)
     rows = []
     for cat in ["all", *cats] if len(cats) > 1 else ["all"]:

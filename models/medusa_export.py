@@ -38,14 +38,12 @@ FASTERDECODING_BASES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 def _dtype(drafter: MedusaDrafter) -> torch.dtype:
     """The drafter's own dtype: its blocks' (a shared head is the target's module, in the target's dtype)."""
-    own = [p.dtype for p in drafter.blocks.parameters()] or [drafter.output_head(0).weight.dtype]
-    return own[0]
+    return next(drafter.blocks.parameters(), drafter.output_head(0).weight).dtype
 
 
-def _medusa_heads(drafter: MedusaDrafter) -> list[torch.Tensor]:
-    """Head k's lm_head weight, in the drafter's dtype (copies: safetensors refuses several names for one storage)."""
-    dtype = _dtype(drafter)
-    return [drafter.output_head(k).weight.detach().to(dtype).clone() for k in range(drafter.config.num_heads)]
+def _head(drafter: MedusaDrafter, k: int) -> torch.Tensor:
+    """Head k's lm_head weight, in the drafter's dtype (a copy: safetensors refuses several names for one storage)."""
+    return drafter.output_head(k).weight.detach().to(_dtype(drafter)).clone()
 
 
 def medusa_vllm_config(drafter: MedusaDrafter) -> dict:
@@ -64,27 +62,22 @@ def medusa_vllm_config(drafter: MedusaDrafter) -> dict:
     }
 
 
-def _medusa_state(drafter: MedusaDrafter, block_key: str, head_key: str) -> dict[str, torch.Tensor]:
-    """The heads' tensors under an engine's names: ``block_key`` formats (head, layer, weight|bias), ``head_key``
-    formats (head, number of layers)."""
+def _blocks_state(drafter: MedusaDrafter, block_key: str) -> dict[str, torch.Tensor]:
+    """The ResBlocks' tensors under an engine's names: ``block_key`` formats (head, layer, weight|bias)."""
     out = {}
     for h, block in enumerate(drafter.blocks):
         for j, res in enumerate(block):
             out[block_key.format(h, j, "weight")] = res.linear.weight
             out[block_key.format(h, j, "bias")] = res.linear.bias
-    for h, weight in enumerate(_medusa_heads(drafter)):
-        out[head_key.format(h, drafter.config.num_layers)] = weight
     return out
 
 
 def medusa_vllm_state_dict(drafter: MedusaDrafter) -> dict[str, torch.Tensor]:
     """vLLM's names; a shared head is written once (``lm_head.weight``, read with ``original_lm_head``)."""
-    state = _medusa_state(drafter, "blocks.{}.layers.{}.{}", "lm_heads.{}.weight")
+    state = _blocks_state(drafter, "blocks.{}.layers.{}.{}")
     if drafter.config.shared_head:
-        state["lm_head.weight"] = state.pop("lm_heads.0.weight")
-        for h in range(1, drafter.config.num_heads):
-            del state[f"lm_heads.{h}.weight"]
-    return state
+        return state | {"lm_head.weight": _head(drafter, 0)}
+    return state | {f"lm_heads.{h}.weight": _head(drafter, h) for h in range(drafter.config.num_heads)}
 
 
 def save_medusa_vllm(drafter: MedusaDrafter, out_dir: str | Path) -> Path:
@@ -151,7 +144,9 @@ def medusa_original_config(drafter: MedusaDrafter, base_model_name_or_path: str 
 
 def medusa_original_state_dict(drafter: MedusaDrafter) -> dict[str, torch.Tensor]:
     """The key map alone (no refusal): ``{h}.{l}.linear.{weight,bias}`` and ``{h}.{L}.weight``."""
-    return _medusa_state(drafter, "{}.{}.linear.{}", "{}.{}.weight")
+    L = drafter.config.num_layers
+    heads = {f"{h}.{L}.weight": _head(drafter, h) for h in range(drafter.config.num_heads)}
+    return _blocks_state(drafter, "{}.{}.linear.{}") | heads
 
 
 def _medusa_original_readme(drafter: MedusaDrafter, base: str) -> str:

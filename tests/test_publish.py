@@ -102,4 +102,5 @@ def test_layouts_left_out_are_named_in_the_card_and_an_unknown_one_is_refused(ti
     left = card.split("leaves out", 1)[1]
     assert "- `export-sglang/`:" in left and "writes every one" in left and "is not here" not in card
     with pytest.raises(ValueError, match="no such layout for this drafter: \\['export-trt'\\]"):
-        publish(ckpt, tmp_path / "other", target=tiny_target, layouts=["export-trt"])
+        publish(ckpt, out, target=tiny_target, layouts=["export-trt"])
+    assert (out / "export-speculators" / "model.safetensors").exists()  # refused before anything was removed

@@ -130,6 +130,9 @@ class ReportConfig(*FAMILY_OPTIONS):
     without running the drafter (infer/hybrid.py; 0: never)."""
     compare: list[str] = field(default_factory=list)
     """Other drafter checkpoints (any family) measured in the same run, e.g. the shipped EAGLE-3 beside Medusa."""
+    compare_settings: int = 0
+    """How many of each compared drafter's settings are measured: its family's first N (a family lists its chain
+    first); 0: every one. The measured drafter always runs all of its own."""
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     """Batch sizes to measure (a category with fewer prompts than a batch size is cycled to fill one batch)."""
     batch_repeats: int = 1
@@ -159,6 +162,8 @@ class ReportConfig(*FAMILY_OPTIONS):
             raise ValueError("chain_k must be >= 0 and tree_total_tokens 0 or >= 2")
         if self.chain_k == 0 and self.tree_total_tokens == 0:
             raise ValueError("the report needs a chain (chain_k > 0) or a tree (tree_total_tokens > 0)")
+        if self.compare_settings < 0:
+            raise ValueError("compare_settings must be >= 0 (0: every setting)")
         if self.hybrid_lookup < 0 or not 0 <= self.hybrid_alone_match <= 3:
             raise ValueError("hybrid_lookup must be >= 0 and hybrid_alone_match in 0..3")
         if any(b < 1 for b in self.batch_sizes) or any(t < 0 for t in self.temperatures):
@@ -236,6 +241,8 @@ def candidates(
     for i, (drafter, size) in enumerate(zip(drafters, sizers)):
         fam = family_of(drafter, families)
         settings = fam.report_proposers(drafter, cfg, size)
+        if i > 0 and cfg.compare_settings:
+            settings = settings[: cfg.compare_settings]
         for s in settings:
             out.append(Candidate(fam.method, s.setting, s.make, s.spec))
         if i == 0 and cfg.hybrid_lookup and settings:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from eval.report import ReportConfig, report_prompts, run_report
+from eval.report import ReportConfig, candidates, report_prompts, run_report
 from infer.families import FAMILIES, family_of, load_drafter, lookup
 from infer.family import ChainSizer, DrafterFamily, ProposerSetting, ReportSettings
 from infer.generate import generate_vanilla
@@ -217,6 +217,32 @@ def test_shipped_families_report_proposers_that_read_the_declared_signal(tiny_ta
         "medusa": ["chain 2", "chain 2, typical acceptance", "static tree n4"],
         "mtp": ["chain 1", "chain 2 (module 1 reused)", "top-2 tree n3"],
     }
+
+
+def test_compare_settings_keeps_the_first_settings_of_compared_drafters_only(tiny_target):
+    """``compare_settings=1``: each compared drafter contributes its family's first setting (its chain), while the
+    measured drafter keeps every one of its own and the hybrid built from it; 0 keeps everything."""
+    medusa = MedusaDrafter.from_target(tiny_target, num_heads=2)
+    medusa.config.tree_paths = [[0], [1]]
+    drafters = [Eagle3Drafter.from_target(tiny_target, draft_vocab_size=16), medusa, MTPDrafter.from_target(tiny_target, 1)]
+    base = dict(chain_k=2, tree_total_tokens=4, tree_top_k=2, tree_depth=2, draft_model=None, mtp_top_k=2)
+
+    def rows(**over) -> list[tuple[str, str]]:
+        cfg = ReportConfig(**base, **over)
+        return [(c.proposer, c.setting) for c in candidates(drafters, cfg, None, tiny_target)]
+
+    everything = rows()
+    assert ("medusa", "static tree n3") in everything and ("mtp", "top-2 tree n3") in everything
+    assert rows(compare_settings=1) == [
+        ("eagle3", "chain 2"),
+        ("eagle3", "EAGLE-2 k2 d2 n4"),
+        ("eagle3 + prompt lookup", "EAGLE-2 k2 d2 n4 + lookup 10, alone at 3-gram matches"),
+        ("medusa", "chain 2"),
+        ("mtp", "chain 1"),
+    ]
+    assert rows(compare_settings=0) == everything
+    with pytest.raises(ValueError, match="compare_settings"):
+        ReportConfig(compare_settings=-1)
 
 
 def test_a_family_that_declares_its_draft_step_timings_is_timed_by_path(tiny_target):

@@ -48,7 +48,9 @@ def test_cells_cover_sources_and_batch_sizes_with_every_temperature_in_one_run()
     assert board_cfg.categories == ["chat", "code"] and board_cfg.temperatures == [0.0, 1.0]
     assert not board_cfg.chain_neighbours  # a board ranks what would be served; the sizing check is a report's
     assert not board_cfg.draft_model_tree  # the draft-model baseline in one row, its chain
-    assert board_cfg.prompts == 4 and report_config(cfg, cells[0]).prompts is None  # a file is measured whole
+    assert board_cfg.prompts == 3 and report_config(cfg, cells[0]).prompts is None  # a file is measured whole
+    # the compared drafters give one row each (their chain); the draft-model baseline is measured at T = 0 only
+    assert board_cfg.compare_settings == 1 and not board_cfg.draft_model_sampled
     # the batch-aware sweep: one more cell at T = 0 over every sweep batch size
     assert (
         cells[-1] == Cell("builtin:chat", (0.0,), 64, (1, 4, 16, 64)) and cells[-1].key == "chat__T0__sweep_bs1-4-16-64"

@@ -23,7 +23,8 @@ from infer.forward_cost import quiet_routing
 from infer.proposers import DraftModelProposer, PromptLookupProposer
 from infer.serving import serving_targets
 from infer.tree_search import DynamicTreeConfig
-from models.target import TargetConfig, TargetModel, load_tokenizer, stop_ids
+from models.target import TargetConfig, TargetModel
+from models.tokenizer import load_tokenizer, stop_ids
 
 
 def main(argv: list[str] | None = None) -> None:

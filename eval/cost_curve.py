@@ -11,7 +11,12 @@ Usage::
     python -m eval.cost_curve --drafter models/smollm2_eagle3 --draft DIR --target any/folder --out DIR
 
 Times are the fastest of ``--reps`` repetitions (a drafter's step: the median), with the sizes interleaved within
-each repetition so that machine noise hits every size alike. Writes ``cost_curve.json`` and ``cost_curve.md`` into ``--out``.
+each repetition so that machine noise hits every size alike. Writes ``cost_curve.json`` and ``cost_curve.md`` into
+``--out``.
+
+The report sizes its settings on the machine it runs on from the same timings: a chain's length (`size_chain`, a
+pilot's acceptance shrunk toward the checkpoint's held-out one), the EAGLE-2 tree among `TREE_GRID` (`size_tree`),
+and the chain length per batch size (`eval.batch_sizing`); `vanilla_check` asks whether the baseline is at its best.
 """
 
 from __future__ import annotations
@@ -27,23 +32,25 @@ from pathlib import Path
 
 import torch
 import yaml
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from eval.stdlib_corpus import heldout_prompts
 from infer import forward_cost
-from infer.batch_policy import BatchPolicy
 from infer.families import family_of, load_drafter
-from infer.generate import VANILLA_LOOPS, depth_tallies, generate_speculative, generate_vanilla, vanilla_steps
+from infer.generate import VANILLA_LOOPS, generate_speculative, generate_vanilla, vanilla_steps
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
 from infer.serving import loop_context, prepare_target
+from infer.stats import depth_tallies
 from infer.tree_search import DynamicTreeConfig
 from models.acceptance import expected_tokens
 from models.checkpoint import read_checkpoint
-from models.target import TargetConfig, TargetModel, load_tokenizer
+from models.target import TargetConfig, TargetModel
 from models.timing import monotone, timed
+from models.tokenizer import load_tokenizer
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+"""Verified-token counts of the curve ``python -m eval.cost_curve`` writes."""
 
 
 def best_chain_length(
@@ -125,7 +132,8 @@ class ChainSizing:
     """Predicted tokens/s by chain length."""
     vanilla_step_s: float
     """The vanilla loop's step (a plain cached one-token forward), timed beside the verify curve: the denominator
-    of the predicted speedup. Both are read `fitted_costs`: no verify below vanilla's step, none below a smaller one."""
+    of the predicted speedup. Both are read through `fitted_costs`: no verify below vanilla's step, none below a
+    smaller one."""
 
     def predicted_speedup(self, k: int) -> float | None:
         return self.rates[k] * self.vanilla_step_s if k in self.rates else None
@@ -159,10 +167,10 @@ def size_chain(
 ) -> ChainSizing:
     """Pick a proposer's chain length on this machine: a pilot run at ``max_k`` (`PILOT_PROMPTS` prompts,
     `PILOT_TOKENS` tokens) gives per-depth acceptance counts, draft-step and bookkeeping costs; the counts are shrunk
-    toward the checkpoint's held-out acceptance ``prior`` (`shrunk_alpha`); `verify_costs` gives t_verify(n) here
-    and now; the length with the best predicted rate wins (`best_chain_length`). ``baseline``: vanilla's target in
-    another dtype (`eval.measure.serving_targets`); the predicted speedup is then over the faster vanilla step of the
-    two, as the measurement's is."""
+    toward the checkpoint's held-out acceptance ``prior`` (`shrunk_alpha`); `step_costs` times t_verify(n) for
+    n = 1..max_k + 1 and vanilla's step here and now, read through `fitted_costs`; the length with the best predicted
+    rate wins (`best_chain_length`). ``baseline``: vanilla's target in another dtype (`infer.serving.serving_targets`);
+    the predicted speedup is then over the faster vanilla step of the two, as the measurement's is."""
     stats = [
         generate_speculative(target, make(max_k), [p], SamplingParams(max_new_tokens=PILOT_TOKENS), eos_ids).stats
         for p in prompts[:PILOT_PROMPTS]
@@ -230,8 +238,9 @@ def size_tree(
     baseline: TargetModel | None = None,
 ) -> TreeSizing:
     """Pick an EAGLE-2 tree (top-k, depth, total tokens) on this machine: for each setting of ``grid``, a pilot of
-    `PILOT_PROMPTS` x `PILOT_TOKENS` gives τ and the draft and bookkeeping cost per round, `verify_costs` the
-    verify time of its node count here; the setting with the best predicted tokens/s wins. τ of a whole tree is
+    `PILOT_PROMPTS` x `PILOT_TOKENS` gives τ and the draft and bookkeeping cost per round, and one verify curve over
+    the grid's node counts (`step_costs`, read through `fitted_costs`) its verify time here; the setting with the best
+    predicted tokens/s wins. ``baseline``: as in `size_chain`. τ of a whole tree is
     pooled over every round of the pilot, so it is steadier than the per-depth rates a chain is sized from."""
     signal = make(grid[0]).signal
     sizes = tuple(sorted({1, *(g.total_tokens for g in grid)}))
@@ -249,112 +258,6 @@ def size_tree(
         taus[tree_name(tree)], rates[tree_name(tree)] = tau, tau / per_round
     best = max(rates, key=rates.get)
     sizing = TreeSizing(next(g for g in grid if tree_name(g) == best), taus, rates, vanilla_step, curve)
-    log(f"cost curve: {sizing.account()}")
-    return sizing
-
-
-AUTO_MARGIN = 0.10
-"""The predicted gain a batch's chain must promise over vanilla to be switched on: the report's sizing check found
-the chosen settings' predictions within about this of the measured speedups, so a smaller promise may be a loss."""
-BATCH_PILOT_TOKENS = 16
-"""Tokens of the short pilot that times the draft step and bookkeeping at each batch size."""
-
-
-@dataclass
-class BatchSizing:
-    """How the batch-aware policy was chosen: per batch size, the costs measured there and the predicted speedup of
-    every chain length (acceptance per position is a row's, the same at every batch size)."""
-
-    policy: BatchPolicy
-    alpha: list[float]
-    by_batch: dict[int, dict]
-    """batch size → verify_ms (by tokens per row), vanilla_ms and vanilla_dtype (the faster vanilla there),
-    draft_step_ms, overhead_ms, predicted_speedup (by chain length) and the chosen length k."""
-    baseline_faster: dict[int, bool]
-    """Whether the baseline dtype's vanilla was the faster at that batch size: a batch the policy leaves off is then
-    decoded there (`infer.batch_policy.BatchAwareProposer`'s ``vanilla_targets``)."""
-
-    def account(self) -> str:
-        parts = []
-        for b, m in sorted(self.by_batch.items()):
-            pred = " ".join(f"{k}:{x:.2f}" for k, x in m["predicted_speedup"].items())
-            parts.append(
-                f"bs {b}: vanilla {m['vanilla_ms']:.0f} ms ({m['vanilla_dtype']}), verify {m['verify_ms'][2]:.0f}..{max(m['verify_ms'].values()):.0f}"
-                f" ms, draft step {m['draft_step_ms']:.1f} ms, predicted {pred} → "
-                + ("off" if m["k"] == 0 else f"chain {m['k']}")
-            )
-        return (
-            f"batch policy {self.policy.words()} (α {' '.join(f'{a:.2f}' for a in self.alpha)}; on only where the "
-            f"predicted speedup is >= {1 + AUTO_MARGIN:.2f}x): " + "; ".join(parts)
-        )
-
-
-def batch_length(
-    alpha: list[float], draft_step_s: float, verify_s: dict[int, float], overhead_s: float, vanilla_step_s: float
-) -> tuple[int, dict[int, float]]:
-    """(chain length, predicted speedup by length) at one batch size: the best of `best_chain_length`'s rates over
-    vanilla's, or 0 (off) where even the best promises less than ``1 + AUTO_MARGIN``."""
-    _, rates = best_chain_length(alpha, draft_step_s, verify_s, overhead_s)
-    predicted = {k: r * vanilla_step_s for k, r in rates.items()}
-    best = max(predicted, key=predicted.get)
-    return (best if predicted[best] >= 1 + AUTO_MARGIN else 0), predicted
-
-
-def vanilla_loop_step(target: TargetModel, rows: list[list[int]], eos_ids: tuple[int, ...]) -> float:
-    """Seconds per step (forward, sampling, bookkeeping; prefill excluded) of the vanilla loop decoding ``rows``
-    together for `BATCH_PILOT_TOKENS` tokens (the rows that stop early leave the batch, as in the measurement)."""
-    stats = generate_vanilla(target, rows, SamplingParams(max_new_tokens=BATCH_PILOT_TOKENS), eos_ids).stats
-    return (stats.verify_s + stats.bookkeeping_s) / max(1, stats.rounds)
-
-
-def size_batch_policy(
-    target: TargetModel,
-    make: Callable[[int], Proposer],
-    prompts: list[list[int]],
-    alpha: list[float],
-    max_k: int,
-    batch_sizes: tuple[int, ...],
-    eos_ids: tuple[int, ...],
-    log: Callable[[str], None] = print,
-    baseline: TargetModel | None = None,
-) -> BatchSizing:
-    """The chain length for each batch size (0: off), from measurements at that batch size: the verify-cost curve
-    over ``rows`` rows (`step_costs`), vanilla's own loop on those rows (`vanilla_loop_step`), and the draft step and bookkeeping of a short pilot
-    (`BATCH_PILOT_TOKENS`) of the longest chain over the prompts cycled to fill the batch; rated with the per-position
-    acceptance ``alpha`` (a chain sizing's, pilot shrunk toward the checkpoint's held-out acceptance). A length is
-    switched on only where its predicted speedup is at least ``1 + AUTO_MARGIN``. ``baseline``: vanilla's target in
-    another dtype (`eval.measure.serving_targets`), timed at every batch size: the prediction is over the faster of
-    the two vanilla steps there, as the measured speedup is."""
-    aux = make(1).signal is TargetSignal.AUX
-    by_batch, lengths, baseline_faster = {}, {}, {}
-    for b in sorted(set(batch_sizes)):
-        rows = [prompts[i % len(prompts)] for i in range(b)]
-        pilot = SamplingParams(max_new_tokens=BATCH_PILOT_TOKENS)
-        stats = generate_speculative(target, make(max_k), rows, pilot, eos_ids).stats
-        rounds = max(1, stats.rounds)
-        draft_step, overhead = stats.draft_s / rounds / max_k, stats.bookkeeping_s / rounds
-        reps = SIZING_REPS if b <= 4 else 3  # a batch-64 forward is ~10x a batch-1 one here
-        curve, _ = step_costs(target, prompts[0], tuple(range(1, max_k + 2)), reps, aux, vanilla=False, rows=b)
-        curve = monotone(curve)  # vanilla here is its whole loop step (sampling included): the curve alone is fitted
-        # vanilla's own loop on the same rows, in each dtype: what a call left off costs there. One forward timed on
-        # one replicated prompt picked bf16 at batch 4 here where the loop on the real rows ran faster in fp32
-        vanilla = vanilla_loop_step(target, rows, eos_ids)
-        other = vanilla_loop_step(baseline, rows, eos_ids) if baseline is not None else None
-        baseline_faster[b] = other is not None and other < vanilla
-        vanilla = min(vanilla, other) if other is not None else vanilla
-        lengths[b], predicted = batch_length(alpha, draft_step, curve, overhead, vanilla)
-        by_batch[b] = {
-            "verify_ms": {n: 1e3 * t for n, t in curve.items()},
-            "vanilla_ms": 1e3 * vanilla,
-            "vanilla_dtype": str((baseline if baseline_faster[b] else target).dtype).removeprefix("torch."),
-            "draft_step_ms": 1e3 * draft_step,
-            "overhead_ms": 1e3 * overhead,
-            "predicted_speedup": predicted,
-            "k": lengths[b],
-        }
-    sizing = BatchSizing(BatchPolicy(lengths), list(alpha), by_batch, baseline_faster)
-    for b, m in by_batch.items():
-        m["k"] = sizing.policy.lengths[b]  # after the policy's monotone cap
     log(f"cost curve: {sizing.account()}")
     return sizing
 
@@ -395,12 +298,12 @@ def step_costs(
     """(`verify_costs`, the vanilla loop's step), timed in turn in one loop (`infer.forward_cost.forward_timings`, the
     function the precision policy times its serving curves with), so the two see the same machine. ``rows``: the
     batch, every row holding ``context`` (the cost of a forward depends on the shapes, not the tokens); verify only
-    (``vanilla=False``): vanilla's loop at a batch is timed on the real rows (`vanilla_loop_step`). Vanilla's step at
-    batch 1 is the one-token forward of the loop ``target.vanilla_loop`` names (`eval.measure.choose_vanilla_loop`),
-    in its own cache. It differs from t_verify(1), which adds the tree mask and the KV bookkeeping: on SmolLM2 the
-    verify path cost 107 against 97 ms for the plain loop in fp32 on the AVX2 EPYC, and 36 against 41 ms in bf16 on
-    the AVX-512-BF16 one, where the masked loop is chosen (docs/decisions.md, "The vanilla check compares like with
-    like")."""
+    (``vanilla=False``): vanilla's loop at a batch is timed on the real rows (`eval.batch_sizing.vanilla_loop_step`).
+    Vanilla's step at batch 1 is the one-token forward of the loop ``target.vanilla_loop`` names
+    (`infer.serving.choose_vanilla_loop`), in its own cache. It differs from t_verify(1), which adds the tree mask and
+    the KV bookkeeping: on SmolLM2 the verify path cost 107 against 97 ms for the plain loop in fp32 on the AVX2 EPYC,
+    and 36 against 41 ms in bf16 on the AVX-512-BF16 one, where the masked loop is chosen (docs/decisions.md, "The
+    vanilla check compares like with like")."""
     if vanilla and rows > 1:
         raise ValueError("step_costs times vanilla's step at batch 1 only; use vanilla_loop_step at a batch")
     loops = (target.vanilla_loop,) if vanilla else ()
@@ -423,8 +326,8 @@ def vanilla_step_cost(target: TargetModel, context: list[int], reps: int, loop: 
 
 
 SIZING_REPS = 7
-"""Timings per size of a sizing's cost curve (the fastest of them; the host of this project's machines moves ~5-20 % over
-minutes)."""
+"""Timings per size of a sizing's cost curve (the fastest of them; the host of this project's machines moves ~5-20 %
+over minutes)."""
 NOISE = 0.05
 """Relative difference below which two timings on this machine are called equal (repeated medians moved ~2-4 %)."""
 
@@ -445,7 +348,7 @@ def vanilla_check(target: TargetModel, contexts: list[list[int]], row: dict, rep
     - Kernel shape: no verify of 2-8 tokens may run faster than the fastest one-token forward of either batch-1 loop
       (minima of ``reps``); if one did, speculation would gain from the shape alone.
 
-    Everything is timed after a context as long as the measured loop's mean one (`eval.measure.loop_context`); timed
+    Everything is timed after a context as long as the measured loop's mean one (`infer.serving.loop_context`); timed
     after the first prompt alone, a short one, the check had called a loop over long RAG and summarisation prompts
     28 % slow."""
     context = loop_context(contexts, row["vanilla_mean_answer_tokens"])
@@ -499,7 +402,7 @@ def vanilla_check(target: TargetModel, contexts: list[list[int]], row: dict, rep
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct", help="short name, folder or hub id")
     ap.add_argument("--draft", default=None, help="small draft model sharing the target's tokenizer (optional)")
@@ -510,8 +413,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="outputs/cost_curve", help="folder for cost_curve.json / cost_curve.md")
     ap.add_argument("--dtype", default="fastest", help="target dtype (fastest: the precision policy's serving choice)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def _load_models(
+    args: argparse.Namespace,
+) -> tuple[TargetModel, torch.nn.Module | None, torch.nn.Module | None, PreTrainedTokenizerBase]:
+    """(target, draft model or None, drafter or None, tokenizer): every model loaded and checked against the target
+    before any timing, so that a mismatch fails in seconds."""
     tokenizer = load_tokenizer(args.target)
     aux = read_checkpoint(args.drafter)[1].aux_layer_ids if args.drafter else None
     target = TargetModel.from_config(
@@ -520,7 +429,6 @@ def main(argv: list[str] | None = None) -> None:
         prepare=forward_cost.quiet_routing,
     )
     print(target.precision.line())
-    # every model is loaded and checked against the target before any timing (a mismatch fails in seconds)
     draft = None
     if args.draft:
         draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=target.dtype).eval()
@@ -530,34 +438,52 @@ def main(argv: list[str] | None = None) -> None:
                 f"the target {target.vocab_size}: a draft model must share the target's tokenizer"
             )
     drafter = load_drafter(args.drafter, target, tokenizer).eval() if args.drafter else None  # raises on a mismatch
-    ids = [t for p in heldout_prompts(tokenizer, n=8) for t in p["prompt_ids"]]
-    if len(ids) < args.context + 1:
-        raise SystemExit(f"held-out prompts give {len(ids)} tokens, fewer than --context {args.context}")
-    context = ids[: args.context + 1]
-    prepare_target(target)  # the same routed kernels as every report (infer/kernels/cpu_linear.py)
-    print(f"target {args.target}, context {args.context}, {args.reps} reps, torch threads {torch.get_num_threads()}")
+    return target, draft, drafter, tokenizer
 
+
+def _context(tokenizer: PreTrainedTokenizerBase, tokens: int) -> list[int]:
+    """``tokens`` + 1 tokens of held-out standard-library text: ``tokens`` in the cache, then the timed forward."""
+    ids = [t for p in heldout_prompts(tokenizer, n=8) for t in p["prompt_ids"]]
+    if len(ids) < tokens + 1:
+        raise SystemExit(f"held-out prompts give {len(ids)} tokens, fewer than --context {tokens}")
+    return ids[: tokens + 1]
+
+
+def measure_curve(
+    target: TargetModel,
+    context: list[int],
+    reps: int,
+    draft: torch.nn.Module | None = None,
+    drafter: torch.nn.Module | None = None,
+) -> dict:
+    """cost_curve.json without the target's name: vanilla's step, the verify curve over `SIZES` with and without the
+    aux-layer taps, and where given the draft model's step and the drafter's (its family's ``step_timings``, when
+    the family declares them)."""
     result = {
-        "target": args.target,
-        "context": args.context,
+        "context": len(context) - 1,
         "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
-        "vanilla_step_s": vanilla_step_cost(target, context, args.reps),
-        "verify_s": verify_costs(target, context, SIZES, args.reps, aux=False),
-        "verify_with_features_s": verify_costs(target, context, SIZES, args.reps, aux=True),
+        "vanilla_step_s": vanilla_step_cost(target, context, reps),
+        "verify_s": verify_costs(target, context, SIZES, reps, aux=False),
+        "verify_with_features_s": verify_costs(target, context, SIZES, reps, aux=True),
     }
     if draft is not None:
-        result["draft_model_step_s"] = vanilla_step_cost(TargetModel(draft), context, args.reps, "plain")
+        result["draft_model_step_s"] = vanilla_step_cost(TargetModel(draft), context, reps, "plain")
     family = family_of(drafter) if drafter is not None else None
     if family is not None and family.step_timings is not None:
-        result["drafter_step_s"] = family.step_timings(drafter, target, args.context, args.reps)
+        result["drafter_step_s"] = family.step_timings(drafter, target, len(context) - 1, reps)
+    return result
 
+
+def curve_markdown(result: dict, dtype: str, reps: int, method: str | None = None) -> list[str]:
+    """cost_curve.md's lines: the verify curve as a table against vanilla's step, then the draft steps (``method``:
+    the drafter's family, naming its row)."""
     t1 = result["vanilla_step_s"]
     lines = [
         f"# Verify-cost curve ({time.strftime('%Y-%m-%d')})",
         "",
-        f"Target `{args.target}`, fp32, {result['machine']}, torch threads {result['threads']}, "
-        f"{args.context} tokens in the cache, the fastest of {args.reps} interleaved repetitions "
+        f"Target `{result['target']}`, {dtype}, {result['machine']}, torch threads {result['threads']}, "
+        f"{result['context']} tokens in the cache, the fastest of {reps} interleaved repetitions "
         "(`python -m eval.cost_curve`).",
         "",
         f"Vanilla step (1 token, no mask): {1e3 * t1:.2f} ms.",
@@ -575,10 +501,23 @@ def main(argv: list[str] | None = None) -> None:
     if "drafter_step_s" in result:
         paths = result["drafter_step_s"]
         lines.append(
-            f"{family.method} drafter step (1 token), median by path: "
+            f"{method} drafter step (1 token), median by path: "
             + ", ".join(f"{name} {1e3 * s:.2f} ms = {s / t1:.2f} × the vanilla step" for name, s in paths.items())
             + "."
         )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _arguments(argv)
+    target, draft, drafter, tokenizer = _load_models(args)
+    context = _context(tokenizer, args.context)
+    prepare_target(target)  # the same routed kernels as every report (infer/kernels/cpu_linear.py)
+    print(f"target {args.target}, context {args.context}, {args.reps} reps, torch threads {torch.get_num_threads()}")
+    result = {"target": args.target} | measure_curve(target, context, args.reps, draft, drafter)
+    method = family_of(drafter).method if drafter is not None else None
+    dtype = str(target.dtype).removeprefix("torch.")
+    lines = curve_markdown(result, dtype, args.reps, method)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cost_curve.json").write_text(json.dumps(result, indent=2) + "\n")

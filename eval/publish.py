@@ -32,7 +32,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from eval.leaderboard import category_of, category_rows
+from eval.leaderboard_tables import category_of, category_rows
 from eval.report_md import evidence
 from infer.families import family_of, load_drafter
 from models.checkpoint import CONFIG_NAME, TARGET_DIR, WEIGHTS_NAME, TargetInfo, read_checkpoint

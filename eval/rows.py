@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from infer.generate import GenerationStats, depth_tallies
+from infer.stats import GenerationStats, depth_tallies
 from models.acceptance import acceptance_rates
 
 

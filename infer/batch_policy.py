@@ -6,7 +6,7 @@ about (k + 1) times B tokens, and the drafts a row rejects are paid for by every
 ``E(k) / (k·t_draft(B) + t_verify(B, k + 1) + t_overhead(B))`` over vanilla's ``1 / t_vanilla(B)``, then falls
 below 1 at some batch size; from there on speculation must be off (the point vLLM's and SGLang's users meet as
 "speculative decoding slows down high-concurrency serving"). `BatchPolicy` holds the chain length chosen for each
-measured batch size (``eval.cost_curve.size_batch_policy`` chooses it from the cost curve at that batch size and
+measured batch size (``eval.batch_sizing.size_batch_policy`` chooses it from the cost curve at that batch size and
 the drafter's per-position acceptance); `BatchAwareProposer` applies it per generate call: a batch whose length is
 0 runs the plain vanilla loop (``Proposer.drafts`` False), any other runs the chain of that length.
 """

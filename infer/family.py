@@ -12,7 +12,7 @@ module, beside its proposer (``FAMILY = DrafterFamily(...)``):
   family (a chain, a tree, ...; `ProposerSetting`), from the report settings (the generic `ReportSettings`, and
   the family's own) and ``size``, which picks a chain's length on the machine that measures (`ChainSizer`);
 - ``report_options`` (optional): a dataclass of the report settings only this family reads, e.g. MTP's tree width;
-  ``eval.report.ReportConfig`` takes its fields (a recipe sets them under ``report:``) and runs its checks;
+  ``eval.report_config.ReportConfig`` takes its fields (a recipe sets them under ``report:``) and runs its checks;
 - ``step_timings`` (optional): the family's draft step timed by code path, which the cost curve prints beside the
   verify curve;
 - ``engine_exports(drafter)`` (optional): the serving engines' folders of one drafter, each written or refused with
@@ -51,7 +51,7 @@ with an n-long chain (the report times a pilot of it: eval.cost_curve.size_chain
 
 
 class ReportSettings(Protocol):
-    """The report settings every family may read (fields of eval.report.ReportConfig, documented there)."""
+    """The report settings every family may read (fields of eval.report_config.ReportConfig, documented there)."""
 
     chain_k: int
     """Drafts per round of the chain setting (0: no chain row); the longest chain sizing may pick."""
@@ -111,7 +111,7 @@ class DrafterFamily:
     """(drafter, report settings, chain sizer) → the proposer settings the report measures for that drafter."""
     report_options: type | None = None
     """A dataclass of the report settings only this family reads (each field documented, every one with a default;
-    its ``__post_init__``, if any, checks them): ``eval.report.ReportConfig`` inherits its fields. None: the family
+    its ``__post_init__``, if any, checks them): ``eval.report_config.ReportConfig`` inherits its fields. None: the family
     reads the generic settings only."""
     step_timings: Callable[[Any, TargetModel, int, int], dict[str, float]] | None = None
     """(drafter, target, cached context tokens, repetitions) → seconds of one draft step by code path (e.g. the

@@ -76,7 +76,7 @@ SERVE_REPS = 7
 
 
 class ServedForward:
-    """How the runtime serves a target on this device, as the precision policy needs it (`models.precision.
+    """How the runtime serves a target on this device, as the precision policy needs it (`models.precision_curves.
     ServingPath`): calling it installs the CPU kernel routing (`infer.kernels.cpu_linear`), silently, and
     `forward_ms` times a forward of that model the way the runtime runs it (`forward_timings`)."""
 

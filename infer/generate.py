@@ -12,12 +12,15 @@ This costs O(accepted) copies per round instead of re-packing the whole cache.
 The last accepted token of each row (the *root*) is not in the cache: it is node 0 of the next
 verify forward. Prefill therefore writes ``prompt[:-1]``, and every target forward after it emits
 at least one token, so vanilla decoding has τ = 1.00 exactly.
+
+What a call reports is in `infer.stats`; vanilla decoding with continuous batching, on this layout, in
+`infer.continuous`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -26,102 +29,10 @@ from infer.attention import SlackCache, additive_mask
 from infer.kernels import compact_kv, verify_greedy, verify_rejection
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, target_probs, warp_logits
+from infer.stats import GenerationResult, GenerationStats
 from infer.tree import DraftTree
-from models.acceptance import acceptance_rates
-from models.target import TargetModel
+from models.target import TargetModel, TargetOutput
 from models.timing import clock
-
-
-# ----------------------------------------------------------------------------------------- results
-@dataclass
-class GenerationStats:
-    """Counters of one generate call. τ and α follow DESIGN.md §4 (bonus token included in τ)."""
-
-    new_tokens: int = 0
-    """Tokens emitted over all rows."""
-    row_forwards: int = 0
-    """Σ over target verify forwards of the rows active in it (prefill excluded)."""
-    rounds: int = 0
-    """Target verify forwards (batched)."""
-    accepted_per_round: list[int] = field(default_factory=list)
-    """Accepted draft tokens per (round, row), bonus excluded."""
-    attempted_at_depth: list[int] = field(default_factory=list)
-    """[k] how often depth k+1 was reachable (all shallower positions accepted and a draft existed)."""
-    accepted_at_depth: list[int] = field(default_factory=list)
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    bookkeeping_s: float = 0.0
-    total_s: float = 0.0
-    tree_nodes: int = 0
-    """Nodes per verify forward (root included); 1 for vanilla."""
-
-    @property
-    def tau(self) -> float:
-        return self.new_tokens / max(1, self.row_forwards)
-
-    @property
-    def alpha(self) -> list[float]:
-        return acceptance_rates(self.accepted_at_depth, self.attempted_at_depth)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Decode throughput: emitted tokens / wall time (prefill included, as a user sees it)."""
-        return self.new_tokens / max(1e-9, self.total_s)
-
-    def step_costs(self) -> dict[str, float]:
-        """Mean seconds per round of draft and verify (the inputs of the predicted speedup)."""
-        r = max(1, self.rounds)
-        return {"draft_s": self.draft_s / r, "verify_s": self.verify_s / r, "bookkeeping_s": self.bookkeeping_s / r}
-
-    def predicted_speedup(self, vanilla_step_s: float) -> float:
-        """τ · t_target(1 token) / (t_draft + t_verify(tree)) per round (DESIGN.md §4)."""
-        c = self.step_costs()
-        return self.tau * vanilla_step_s / max(1e-12, c["draft_s"] + c["verify_s"])
-
-    def record_acceptance(self, accepted: int, tree_depth: int) -> None:
-        self.accepted_per_round.append(accepted)
-        while len(self.attempted_at_depth) < tree_depth:
-            self.attempted_at_depth.append(0)
-            self.accepted_at_depth.append(0)
-        for k in range(min(accepted + 1, tree_depth)):
-            self.attempted_at_depth[k] += 1
-            self.accepted_at_depth[k] += int(k < accepted)
-
-    def as_dict(self) -> dict:
-        return {
-            "tau": self.tau,
-            "alpha": self.alpha,
-            "new_tokens": self.new_tokens,
-            "rounds": self.rounds,
-            "tokens_per_s": self.tokens_per_s,
-            "tree_nodes": self.tree_nodes,
-            "time_s": {
-                "prefill": self.prefill_s,
-                "draft": self.draft_s,
-                "verify": self.verify_s,
-                "bookkeeping": self.bookkeeping_s,
-                "total": self.total_s,
-            },
-        }
-
-
-def depth_tallies(stats: Iterable[GenerationStats], depth: int | None = None) -> tuple[list[int], list[int]]:
-    """(accepted, attempted) per draft depth, summed over generate calls, to ``depth`` (default: the deepest any call
-    reached); `models.acceptance.acceptance_rates` turns them into α."""
-    stats = list(stats)
-    if depth is None:
-        depth = max((len(s.attempted_at_depth) for s in stats), default=0)
-    accepted = [sum(s.accepted_at_depth[k] for s in stats if k < len(s.accepted_at_depth)) for k in range(depth)]
-    attempted = [sum(s.attempted_at_depth[k] for s in stats if k < len(s.attempted_at_depth)) for k in range(depth)]
-    return accepted, attempted
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[list[int]]
-    """New tokens per row (prompt excluded), stop token included, never more than max_new_tokens."""
-    stats: GenerationStats
 
 
 # ---------------------------------------------------------------------------------------- KV state
@@ -175,8 +86,9 @@ class DecodeState:
 
 
 @torch.no_grad()
-def prefill(target: TargetModel, state: DecodeState, capture_aux: bool = False):
-    """Write ``prompt[:-1]`` of every row into the cache (left-padded). Returns the TargetOutput."""
+def prefill(target: TargetModel, state: DecodeState, capture_aux: bool = False) -> TargetOutput | None:
+    """Write ``prompt[:-1]`` of every row into the cache (left-padded). Returns the TargetOutput (None when every
+    prompt is one token: nothing to write)."""
     body = [state.contexts[r][:-1] for r in state.active]
     width = max(len(b) for b in body)
     if width == 0:
@@ -206,7 +118,8 @@ def prefill(target: TargetModel, state: DecodeState, capture_aux: bool = False):
 
 
 # ----------------------------------------------------------------------------------------- vanilla
-def _seeded_generator(params: SamplingParams, device) -> torch.Generator:
+def seeded_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator:
+    """The one random stream of a decoding call: ``params.seed`` fixes it, else torch's global generator seeds it."""
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
     return gen
@@ -224,7 +137,7 @@ def _vanilla_single(target: TargetModel, prompt: list[int], params: SamplingPara
     """Batch 1: the leanest loop HF offers (no mask, implicit positions, the sampled tensor fed back)."""
     stats = GenerationStats(tree_nodes=1)
     t0 = clock(target.device)
-    gen = _seeded_generator(params, target.device)
+    gen = seeded_generator(params, target.device)
     model, cache = target.model, SlackCache()
     if len(prompt) > 1:  # logits of the prompt are never read (HF generate skips them too)
         model(
@@ -266,16 +179,16 @@ def generate_vanilla(
         return _vanilla_single(target, prompts[0], params, state.stop_ids)
     stats = GenerationStats(tree_nodes=1)
     t0 = clock(target.device)
-    gen = _seeded_generator(params, target.device)
+    gen = seeded_generator(params, target.device)
     prefill(target, state)
     stats.prefill_s = clock(target.device) - t0
     while state.active:
-        _vanilla_step(target, state, params, gen, stats)
+        vanilla_round(target, state, params, gen, stats)
     stats.total_s = clock(target.device) - t0
     return GenerationResult(state.new_tokens, stats)
 
 
-def _vanilla_step(
+def vanilla_round(
     target: TargetModel, state: DecodeState, params: SamplingParams, gen: torch.Generator, stats: GenerationStats
 ) -> list[int]:
     """One batched vanilla forward over every active row's root; emits a token per row, drops the rows that
@@ -346,104 +259,6 @@ def vanilla_steps(target: TargetModel, context: list[int]) -> dict[str, Callable
     return {"plain": plain_step, "masked": masked_step}
 
 
-def decode_continuous(
-    target: TargetModel,
-    submit: Callable[[], list[tuple[object, list[int]]]],
-    on_done: Callable[[object, list[int]], None],
-    params: SamplingParams,
-    eos_ids: tuple[int, ...],
-    batch_size: int,
-    refill: int | None = None,
-) -> GenerationStats:
-    """Vanilla decoding with continuous batching: a row that finishes frees its slot for the next prompt at once, so
-    a batch does not shrink to its longest answer (the throughput of batched self-distillation, where answer
-    lengths vary 10x).
-
-    ``submit(n)`` hands up to n ``(key, prompt)`` pairs (fewer or none when nothing is waiting); ``on_done(key,
-    tokens)`` receives each answer as it finishes (it may make new prompts available to ``submit``, e.g. the next
-    turn of a conversation). New prompts are prefilled together and joined to the running batch once ``refill``
-    slots are free (default a quarter of the batch): every join left-pads the shorter cache to the longer, so a join
-    per freed slot would copy the cache too often. Tokens and logits of a row do not depend on its neighbours (the
-    slot layout above), so greedy answers equal those of one-at-a-time decoding up to the kernels' rounding. One
-    random stream serves all rows (T > 0 samples are not tied to a row's batch)."""
-    refill = max(1, refill if refill is not None else batch_size // 4)
-    stats = GenerationStats(tree_nodes=1)
-    t0 = clock(target.device)
-    gen = _seeded_generator(params, target.device)
-    state: DecodeState | None = None
-    keys: dict[int, object] = {}
-    while True:
-        free = batch_size - (len(state.active) if state is not None else 0)
-        if state is None or not state.active or free >= refill:
-            new = submit(free) if free else []
-            if new:
-                tp = clock(target.device)
-                state = _join(target, state, [p for _, p in new], params, eos_ids, keys, [k for k, _ in new])
-                stats.prefill_s += clock(target.device) - tp
-        if state is None or not state.active:
-            break
-        for row in _vanilla_step(target, state, params, gen, stats):
-            on_done(keys.pop(row), state.new_tokens[row])
-            state.new_tokens[row] = state.contexts[row] = []  # answered: release its text
-        if state.active:  # slots no live row holds (left padding of rows that finished) would be attended forever
-            unused = int(state.kv_valid.any(0).int().argmax())
-            if unused:
-                state.cache.drop_front(unused)
-                state.kv_valid = state.kv_valid[:, unused:]
-    stats.total_s = clock(target.device) - t0
-    return stats
-
-
-def _join(
-    target: TargetModel,
-    state: DecodeState | None,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    eos_ids: tuple[int, ...],
-    keys: dict[int, object],
-    new_keys: list[object],
-) -> DecodeState:
-    """``state`` with ``prompts`` prefilled and appended as new rows (their row ids continue the old ones); the two
-    caches are left-padded to one width (invalid slots) and concatenated along the batch."""
-    fresh = DecodeState(prompts, params, eos_ids, target.device)
-    prefill(target, fresh)
-    if state is None or not state.active:
-        base = 0 if state is None else len(state.contexts)
-        if state is not None:  # keep row ids unique across the run
-            fresh.contexts = state.contexts + fresh.contexts
-            fresh.new_tokens = state.new_tokens + fresh.new_tokens
-            fresh.active = [base + r for r in fresh.active]
-        keys.update({base + i: k for i, k in enumerate(new_keys)})
-        return fresh
-    base = len(state.contexts)
-    width = max(state.kv_valid.shape[1], fresh.kv_valid.shape[1])
-
-    def left_pad(t: torch.Tensor, dim: int, fill) -> torch.Tensor:
-        missing = width - t.shape[dim]
-        if missing == 0:
-            return t
-        shape = list(t.shape)
-        shape[dim] = missing
-        return torch.cat([torch.full(shape, fill, dtype=t.dtype, device=t.device), t], dim)
-
-    state.kv_valid = torch.cat([left_pad(state.kv_valid, 1, False), left_pad(fresh.kv_valid, 1, False)], 0)
-    if not fresh.cache.layers:  # prompts of one token: nothing was prefilled, every slot of theirs is invalid
-        fresh_kv = [(layer.keys[:0], layer.values[:0]) for layer in state.cache.layers]
-        fresh_kv = [
-            (k.new_zeros(len(prompts), *k.shape[1:]), v.new_zeros(len(prompts), *v.shape[1:])) for k, v in fresh_kv
-        ]
-    else:
-        fresh_kv = [(layer.keys, layer.values) for layer in fresh.cache.layers]
-    for layer, (k, v) in zip(state.cache.layers, fresh_kv):
-        layer.keys = torch.cat([left_pad(layer.keys, 2, 0.0), left_pad(k, 2, 0.0)], 0)
-        layer.values = torch.cat([left_pad(layer.values, 2, 0.0), left_pad(v, 2, 0.0)], 0)
-    state.contexts += fresh.contexts
-    state.new_tokens += fresh.new_tokens
-    state.active += [base + r for r in fresh.active]
-    keys.update({base + i: k for i, k in enumerate(new_keys)})
-    return state
-
-
 # ------------------------------------------------------------------------------------- speculative
 @dataclass
 class SpecConfig:
@@ -457,7 +272,7 @@ class SpecConfig:
             raise ValueError(f"accept must be 'auto' or 'typical', got {self.accept!r}")
 
 
-def verify_tree(target: TargetModel, state: DecodeState, tree: DraftTree, capture_aux: bool = False):
+def verify_tree(target: TargetModel, state: DecodeState, tree: DraftTree, capture_aux: bool = False) -> TargetOutput:
     """One target forward over every row's tree: 4D ancestor mask, positions = root position + depth."""
     B, n = tree.tokens.shape
     anc = tree.ancestor_mask() & (tree.valid[:, None, :] | torch.eye(n, dtype=torch.bool, device=tree.tokens.device))
@@ -510,72 +325,112 @@ def generate_speculative(
     stats = GenerationStats()
     t0 = clock(target.device)
     state = DecodeState(prompts, params, eos_ids, target.device)
-    gen = _seeded_generator(params, target.device)
+    gen = seeded_generator(params, target.device)
     proposer.begin([list(c) for c in state.contexts])
     if not proposer.drafts:
         return generate_vanilla(proposer.vanilla_target or target, prompts, params, eos_ids)
+    _prefill_observed(target, proposer, state)
+    stats.prefill_s = clock(target.device) - t0
+    while state.active:
+        _speculative_round(target, proposer, state, params, spec, gen, stats)
+    stats.total_s = clock(target.device) - t0
+    return GenerationResult(state.new_tokens, stats)
+
+
+def _prefill_observed(target: TargetModel, proposer: Proposer, state: DecodeState) -> None:
+    """`prefill`, handing the proposer the signal it declared for every prompt token the cache took."""
     signal = proposer.signal
-    aux = signal is TargetSignal.AUX  # the other signals come with every forward (final-norm hook)
-    out = prefill(target, state, capture_aux=aux)
+    out = prefill(target, state, capture_aux=signal is TargetSignal.AUX)
     if signal is not TargetSignal.NONE and out is not None:
         # prefill is left-padded; observe() takes each row's signal from index 0
         lengths, width = state.lengths, state.kv_valid.shape[1]
         idx = (width - lengths[:, None] + torch.arange(width, device=lengths.device)[None]).clamp(max=width - 1)
-        feats = signal.of(out)
-        proposer.observe(feats.gather(1, idx[..., None].expand(-1, -1, feats.shape[-1])), lengths)
-    stats.prefill_s = clock(target.device) - t0
+        _observe(proposer, out, idx, lengths)
 
-    while state.active:
-        td = clock(target.device)
-        tree = proposer.propose([state.contexts[r] for r in state.active], params, gen)
-        stats.draft_s += clock(target.device) - td
 
-        tv = clock(target.device)
-        out = verify_tree(target, state, tree, capture_aux=aux)
-        stats.verify_s += clock(target.device) - tv
+def _speculative_round(
+    target: TargetModel,
+    proposer: Proposer,
+    state: DecodeState,
+    params: SamplingParams,
+    spec: SpecConfig,
+    gen: torch.Generator,
+    stats: GenerationStats,
+) -> None:
+    """One round over every active row: propose a tree, verify it in one target forward, accept a path and a bonus
+    token, keep the path in the cache, emit it, and drop the rows that finished."""
+    signal = proposer.signal
+    td = clock(target.device)
+    tree = proposer.propose([state.contexts[r] for r in state.active], params, gen)
+    stats.draft_s += clock(target.device) - td
 
-        tb = clock(target.device)
-        B, n = tree.tokens.shape
-        stats.tree_nodes = max(stats.tree_nodes, n)
-        if spec.accept == "typical":
-            result = accept_typical(
-                tree,
-                out.logits,
-                params,
-                torch.rand(B, n, generator=gen, device=gen.device),
-                spec.typical_epsilon,
-                spec.typical_delta,
-            )
-        elif params.greedy:
-            result = verify_greedy(tree, out.logits)
-        else:
-            result = verify_rejection(
-                tree,
-                target_probs(out.logits, params),
-                torch.rand(B, n, generator=gen, device=gen.device),
-                torch.rand(B, n, generator=gen, device=gen.device),
-            )
-        lengths = keep_accepted(state, result, n)
-        if signal is not TargetSignal.NONE:
-            idx = result.path[:, : int(lengths.max())].clamp(min=0)
-            feats = signal.of(out)
-            proposer.observe(feats.gather(1, idx[..., None].expand(-1, -1, feats.shape[-1])), lengths)
+    tv = clock(target.device)
+    # only the aux taps need asking for: the other signals come with every forward (final-norm hook)
+    out = verify_tree(target, state, tree, capture_aux=signal is TargetSignal.AUX)
+    stats.verify_s += clock(target.device) - tv
 
-        depth = int(tree.depths().masked_fill(~tree.valid, 0).max())
-        finished = []
-        path, length, bonus = result.path.tolist(), lengths.tolist(), result.bonus.tolist()
-        tokens = tree.tokens.tolist()
-        for i in range(B):
-            accepted = [tokens[i][j] for j in path[i][1 : length[i]]]
-            before = len(state.new_tokens[state.active[i]])
-            finished.append(state.emit(i, accepted + [bonus[i]]))
-            stats.new_tokens += len(state.new_tokens[state.active[i]]) - before
-            stats.record_acceptance(length[i] - 1, depth)
-        stats.rounds += 1
-        stats.row_forwards += B
-        keep = state.drop_finished(finished)
-        if keep is not None:
-            proposer.drop_rows(keep)
-        stats.bookkeeping_s += clock(target.device) - tb
-    stats.total_s = clock(target.device) - t0
-    return GenerationResult(state.new_tokens, stats)
+    tb = clock(target.device)
+    n = tree.tokens.shape[1]
+    stats.tree_nodes = max(stats.tree_nodes, n)
+    result = _accept(tree, out.logits, params, spec, gen)
+    lengths = keep_accepted(state, result, n)
+    if signal is not TargetSignal.NONE:
+        _observe(proposer, out, result.path[:, : int(lengths.max())].clamp(min=0), lengths)
+    finished = _emit_accepted(state, tree, result, lengths, stats)
+    keep = state.drop_finished(finished)
+    if keep is not None:
+        proposer.drop_rows(keep)
+    stats.bookkeeping_s += clock(target.device) - tb
+
+
+def _accept(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, spec: SpecConfig, gen: torch.Generator
+) -> AcceptResult:
+    """The accept rule that ``spec`` and the temperature name (typical, greedy or rejection sampling), on the verify
+    logits [B, n, V]; its uniforms come from ``gen``, so a seed fixes every round."""
+    B, n = tree.tokens.shape
+    if spec.accept == "typical":
+        return accept_typical(
+            tree,
+            logits,
+            params,
+            torch.rand(B, n, generator=gen, device=gen.device),
+            spec.typical_epsilon,
+            spec.typical_delta,
+        )
+    if params.greedy:
+        return verify_greedy(tree, logits)
+    return verify_rejection(
+        tree,
+        target_probs(logits, params),
+        torch.rand(B, n, generator=gen, device=gen.device),
+        torch.rand(B, n, generator=gen, device=gen.device),
+    )
+
+
+def _observe(proposer: Proposer, out: TargetOutput, nodes: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Hand the proposer its signal at ``nodes`` [B, L] (indices into each row's tokens of the forward ``out``), of
+    which the first ``lengths`` [B] entered the cache."""
+    feats = proposer.signal.of(out)
+    proposer.observe(feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1])), lengths)
+
+
+def _emit_accepted(
+    state: DecodeState, tree: DraftTree, result: AcceptResult, lengths: torch.Tensor, stats: GenerationStats
+) -> list[bool]:
+    """Every row emits its accepted draft tokens and the bonus token; the round's acceptance goes into ``stats``.
+    Returns which rows finished."""
+    B = tree.tokens.shape[0]
+    depth = int(tree.depths().masked_fill(~tree.valid, 0).max())
+    finished = []
+    path, length, bonus = result.path.tolist(), lengths.tolist(), result.bonus.tolist()
+    tokens = tree.tokens.tolist()
+    for i in range(B):
+        accepted = [tokens[i][j] for j in path[i][1 : length[i]]]
+        before = len(state.new_tokens[state.active[i]])
+        finished.append(state.emit(i, accepted + [bonus[i]]))
+        stats.new_tokens += len(state.new_tokens[state.active[i]]) - before
+        stats.record_acceptance(length[i] - 1, depth)
+    stats.rounds += 1
+    stats.row_forwards += B
+    return finished

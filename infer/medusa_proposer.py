@@ -93,7 +93,7 @@ class MedusaProposer(Proposer):
 
 @dataclass
 class MedusaReportOptions:
-    """The report settings Medusa reads beyond the generic ones (eval.report.ReportConfig takes these fields)."""
+    """The report settings Medusa reads beyond the generic ones (eval.report_config.ReportConfig takes these fields)."""
 
     typical_acceptance: bool = False
     """Also measure each Medusa drafter's chain with Medusa's typical acceptance (lossy: such rows are labelled

@@ -194,7 +194,7 @@ class MTPProposer(Proposer):
 
 @dataclass
 class MTPReportOptions:
-    """The report settings MTP reads beyond the generic ones (eval.report.ReportConfig takes these fields)."""
+    """The report settings MTP reads beyond the generic ones (eval.report_config.ReportConfig takes these fields)."""
 
     mtp_top_k: int = 2
     """MTP's tree: the chain plus the next top_k - 1 candidates of every depth as leaves (1 + D·top_k nodes); 1

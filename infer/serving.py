@@ -5,7 +5,7 @@ times or decodes with it; `choose_vanilla_loop` times our two batch-1 vanilla lo
 `ready_targets` does both, the one place a measurement makes its targets ready; `serving_targets` applies the
 precision policy's serving choice (the served dtype, and vanilla in its own fastest dtype). These sit here rather than
 beside `models.target.TargetModel` because models/ imports nothing of ours (DESIGN.md §2) and the routing and the
-loops are infer/'s; the target's stop ids need neither and live with the target (`models.target.stop_ids`).
+loops are infer/'s; the target's stop ids need neither and live in models/ (`models.tokenizer.stop_ids`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from models.config import from_dict
-from models.target import AUX_LAYER_CONVENTION, TargetModel, tokenizer_fingerprint
+from models.target import AUX_LAYER_CONVENTION, TargetModel
+from models.tokenizer import tokenizer_fingerprint
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -44,7 +45,7 @@ class TargetInfo:
     target_num_layers: int
     """Decoder layers of the target; checked on load (aux ids index them)."""
     tokenizer_fingerprint: str | None
-    """`models.target.tokenizer_fingerprint` of the target's tokenizer; checked when a tokenizer is given."""
+    """`models.tokenizer.tokenizer_fingerprint` of the target's tokenizer; checked when a tokenizer is given."""
     method: str
     """Which drafter family wrote the checkpoint (its drafter class's ``method``). No default: every block this code
     ever wrote carries it, and a guess would load the wrong class."""

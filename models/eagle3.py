@@ -18,165 +18,29 @@ Attention masks are boolean ``allowed[b, query, key]`` over ``[cached keys ‖ n
 so the same layer serves training (the training-time-test unroll, ``forward``) and the runtime's ragged KV cache
 with holes (``infer/eagle3_proposer.py``).
 
-Checkpoint (DESIGN.md §6): ``config.json`` = the fields of :class:`Eagle3Config` plus a ``drafters`` block (method,
-version, target name / vocab size / hidden size / layer count, tokenizer fingerprint, aux-layer ids and convention);
-``model.safetensors`` = every trainable weight plus ``d2t`` / ``t2d``. Loading checks the target before any compute.
+Checkpoint (DESIGN.md §6): ``config.json`` = the fields of :class:`Eagle3Config` (``models/eagle3_config.py``) plus a
+``drafters`` block (method, version, target name / vocab size / hidden size / layer count, tokenizer fingerprint,
+aux-layer ids and convention); ``model.safetensors`` = every trainable weight plus ``d2t`` / ``t2d``. Loading checks
+the target before any compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, PreTrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from models.checkpoint import TargetInfo, read_checkpoint, read_weights, write_checkpoint
-from models.config import from_dict
+from models.checkpoint import TargetInfo, read_weights, write_checkpoint
+from models.eagle3_config import METHOD, Eagle3Config, read_checkpoint_config
 from models.sizing import GB, DrafterSizes, RunSizes
 from models.target import TargetModel
-
-METHOD = "eagle3"
-
-
-# --------------------------------------------------------------------------------------------------
-# Config
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Eagle3Config:
-    """Shape of an EAGLE-3 drafter. Build it with `from_target` so rope and sizes follow the target."""
-
-    hidden_size: int
-    """Drafter width H; equals the target's hidden size (the frozen target embedding is H wide)."""
-
-    intermediate_size: int
-    """SwiGLU MLP width (the target's by default)."""
-
-    num_attention_heads: int
-    """Query heads of the drafter's attention."""
-
-    num_key_value_heads: int
-    """Key/value heads (grouped-query attention when smaller than num_attention_heads)."""
-
-    head_dim: int
-    """Per-head width; q_proj maps 2H → num_attention_heads * head_dim."""
-
-    vocab_size: int
-    """Target vocabulary (logit width of the target); t2d has this many entries."""
-
-    draft_vocab_size: int
-    """Rows of the drafter's lm_head (REFERENCE.md: 32000 for 128k-vocab targets)."""
-
-    target_hidden_size: int
-    """Width of one target feature tap; fc reads num_aux_layers * target_hidden_size."""
-
-    num_aux_layers: int = 3
-    """Target layers whose outputs are concatenated into the features (EAGLE-3: low, mid, high)."""
-
-    rms_norm_eps: float = 1e-6
-    """Epsilon of every RMSNorm (the target's)."""
-
-    max_position_embeddings: int = 2048
-    """Copied from the target: a smaller value than the target's destroyed τ in one report (REFERENCE.md)."""
-
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    """HF rope settings (rope_type, rope_theta, scaling fields), copied from the target."""
-
-    norm_before_fc: bool = False
-    """Opt-in variant: RMSNorm over the 3·Ht features before fc (off in EAGLE-3 / SpecForge)."""
-
-    initializer_range: float = 0.02
-    """Std of the normal init of the trainable linear layers."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "vocab_size",
-            "draft_vocab_size",
-            "target_hidden_size",
-            "num_aux_layers",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
-                f"({self.num_key_value_heads})"
-            )
-        if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab {self.vocab_size}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if "rope_type" not in self.rope_parameters or "rope_theta" not in self.rope_parameters:
-            raise ValueError(f"rope_parameters needs rope_type and rope_theta, got {self.rope_parameters}")
-
-    @classmethod
-    def from_target(
-        cls, target_config: PreTrainedConfig, draft_vocab_size: int, num_aux_layers: int = 3, **overrides: Any
-    ) -> Eagle3Config:
-        """Copy width, heads, norm eps, max positions and rope from an HF Llama / Qwen2 / Qwen3 / Mistral config."""
-        c = target_config.get_text_config()
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # Qwen2 has no head_dim
-        values = dict(
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads or c.num_attention_heads,
-            head_dim=head_dim,
-            vocab_size=c.vocab_size,
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=c.hidden_size,
-            num_aux_layers=num_aux_layers,
-            rms_norm_eps=c.rms_norm_eps,
-            max_position_embeddings=c.max_position_embeddings,
-            rope_parameters=dict(c.rope_parameters),
-        )
-        values.update(overrides)
-        return cls(**values)
-
-    def llama_config(self) -> LlamaConfig:
-        """The one-layer LlamaConfig these shapes correspond to (it initialises the rotary embedding)."""
-        return LlamaConfig(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            num_hidden_layers=1,
-            vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope_parameters),
-            hidden_act="silu",
-            tie_word_embeddings=False,
-            attention_bias=False,
-            mlp_bias=False,
-        )
-
-
-def read_checkpoint_config(path: str | Path) -> tuple[Eagle3Config, TargetInfo]:
-    """Parse an EAGLE-3 checkpoint's config.json (no weights read): use it to build the matching target first."""
-    raw, info = read_checkpoint(path)
-    if info.method != METHOD:
-        raise ValueError(
-            f"{path}: not an {METHOD} checkpoint (method={info.method!r}); infer.families.load_drafter reads any"
-        )
-    return from_dict(Eagle3Config, raw), info
-
 
 # --------------------------------------------------------------------------------------------------
 # Layers
@@ -204,6 +68,28 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, m, d]; cos/sin [B, m, d] (HF layout, rotate-half convention)."""
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def attend_cached(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    past_keys: torch.Tensor | None,
+    past_values: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inference path's attention core, shared by ``Eagle3Drafter.step`` and ``FusedStep.step``: m new queries
+    over [S cached keys ‖ m new keys].
+
+    q [B, nh, m, d], k / v [B, nkv, m, d] (q, k rope'd), allowed [B, m, S + m] bool, past_keys / past_values
+    [B, nkv, S, d] or None (S = 0) → attn [B, nh, m, d] and the grown cache keys / values [B, nkv, S + m, d].
+    """
+    keys = k if past_keys is None else torch.cat([past_keys, k], 2)
+    values = v if past_values is None else torch.cat([past_values, v], 2)
+    attn = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=allowed[:, None], enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return attn, keys, values
 
 
 class Eagle3Attention(nn.Module):
@@ -359,9 +245,7 @@ class FusedStep(nn.Module):
         cos, sin = self.drafter[0].rope_by_position(x, positions)
         qk = apply_rope(qkv[:, : nh + nkv], cos, sin)
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
-        keys = k if past_keys is None else torch.cat([past_keys, k], 2)
-        values = v if past_values is None else torch.cat([past_values, v], 2)
-        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], enable_gqa=nh != nkv)
+        a, keys, values = attend_cached(q, k, v, allowed, past_keys, past_values)
         h = hidden + self.o(a.transpose(1, 2).reshape(B, m, nh * d))
         gate, up = self.gate_up(self._normalize(h)).chunk(2, dim=-1)
         h = h + self.down(F.silu(gate) * up)
@@ -519,11 +403,7 @@ class Eagle3Drafter(nn.Module):
         x = self.midlayer.attention_input(self.embed_tokens(input_ids), hidden)
         cos, sin = self.rope_by_position(x, positions)
         q, k, v = attn_mod.qkv(x, cos, sin)
-        keys = k if past_keys is None else torch.cat([past_keys, k], 2)
-        values = v if past_values is None else torch.cat([past_values, v], 2)
-        attn = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=allowed[:, None], enable_gqa=attn_mod.num_heads != attn_mod.num_kv_heads
-        )
+        attn, keys, values = attend_cached(q, k, v, allowed, past_keys, past_values)
         h = self.midlayer.finish(hidden, attn_mod.out(attn))
         return StepOutput(h, self.compute_logits(h) if with_logits else None, keys, values)
 

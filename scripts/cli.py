@@ -120,7 +120,8 @@ def quick_target(name: str, dtype: str, t0: float) -> tuple[TargetModel, TargetM
     from infer.forward_cost import quiet_routing
     from infer.serving import serving_targets
     from models.checkpoint import read_checkpoint
-    from models.target import TargetConfig, TargetModel, load_tokenizer, stop_ids
+    from models.target import TargetConfig, TargetModel
+    from models.tokenizer import load_tokenizer, stop_ids
 
     tokenizer = load_tokenizer(name)
     shipped_acceptance = read_checkpoint(SHIPPED_DRAFTERS[0])[1].heldout_acceptance if SHIPPED_DRAFTERS else None

@@ -34,7 +34,8 @@ from infer.generate import generate_speculative
 from infer.proposer import Proposer
 from infer.sampling import SamplingParams
 from models.config import parse_cli
-from models.target import TargetModel, stop_ids
+from models.target import TargetModel
+from models.tokenizer import stop_ids
 from train.distributed import make_accelerator
 from train.loop import load_target_and_data
 from train.recipes import TrainingEntry, entry_of
@@ -150,7 +151,9 @@ def main(argv: list[str]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     accelerator, log = make_accelerator(cfg.train, target=cfg.target)
-    tokenizer, pad_id, target, _, train_set, eval_set = load_target_and_data(cfg, accelerator, log, None)
+    loaded = load_target_and_data(cfg, accelerator, log, None)
+    tokenizer, pad_id, target = loaded.tokenizer, loaded.pad_id, loaded.target
+    train_set, eval_set = loaded.train_set, loaded.eval_set
     prompts = load_prompt_file(args.prompts)
     meta = {"prompts": len(prompts), "file": args.prompts, "chain": args.chain, "max_new_tokens": args.max_new_tokens}
     store = out / "curve.json"

@@ -17,7 +17,8 @@ V are reduced in different orders): every differing row must be within 1e-5 of a
 target over V = 128256 about 0.4% of rows are expected to differ in the bonus token, while a systematic
 error small enough to pass the float64 tolerance (an off-by-one in the CDF) would move most rows.
 
-``--smoke-cpu`` runs tiny sizes through Triton's interpreter on the CPU, to test this script itself.
+``--smoke-cpu`` runs tiny sizes through Triton's interpreter on the CPU, to test this script itself; its report goes
+to the temporary folder unless ``--out`` is given (its timings mean nothing, and it must not replace the GPU's).
 Exit status: 0 all checks passed, 1 a check failed, 2 no CUDA.
 """
 
@@ -26,8 +27,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -128,8 +131,9 @@ def greedy_inputs(B: int, n: int, V: int, seed: int, device: str, ties: bool = F
 def rejection_inputs(
     B: int, n: int, V: int, seed: int, device: str, draft: str
 ) -> tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """draft: 'stochastic' (each node drawn from q at its parent), 'onehot' (q = None, tokens = the draft's
-    top choices among siblings) or 'degenerate' (top-k zeros in p and q, a row with p = q / 2)."""
+    """draft: 'stochastic' (siblings drawn from q at their parent without replacement, as the accept rule reads
+    them: `DraftTree.siblings_sampled`), 'onehot' (q = None, tokens = the draft's top choices among siblings) or
+    'degenerate' (top-k zeros in p and q, a row with p = q / 2)."""
     gen = torch.Generator().manual_seed(seed)
     parents, valid = random_tree_shape(B, n, gen)
     parents, valid = parents.to(device), valid.to(device)
@@ -152,9 +156,13 @@ def rejection_inputs(
             rank = (parents[:, :j] == parents[:, j : j + 1]).sum(1)  # earlier siblings
             top = qp.topk(int(rank.max()) + 1, -1).indices
             tokens[:, j] = top.gather(1, rank[:, None]).squeeze(1)
-        else:
-            tokens[:, j] = torch.multinomial(qp, 1, generator=g).squeeze(1)
-    tree = DraftTree(tokens, parents, valid, None if draft == "onehot" else q)
+        else:  # without replacement: the earlier siblings' tokens leave q (all of q gone: any token)
+            earlier = (parents[:, 1:j] == parents[:, j : j + 1]).to(qp.dtype)
+            taken = torch.zeros_like(qp).scatter_add_(1, tokens[:, 1:j], earlier)
+            left = torch.where(taken > 0, 0.0, qp)
+            left[left.sum(1) == 0] = 1.0
+            tokens[:, j] = torch.multinomial(left, 1, generator=g).squeeze(1)
+    tree = DraftTree(tokens, parents, valid, None if draft == "onehot" else q, siblings_sampled=draft != "onehot")
     return (tree, p, torch.rand(B, n, generator=g, device=device), torch.rand(B, n, generator=g, device=device))
 
 
@@ -169,7 +177,7 @@ def select_rows(tree: DraftTree, idx: list[int], *tensors: torch.Tensor) -> tupl
     """The rows ``idx`` of a tree and [B, ...] tensors, on the CPU (the float64 replay runs there)."""
     i = torch.tensor(idx, device=tree.tokens.device)
     dp = None if tree.draft_probs is None else tree.draft_probs[i].cpu()
-    sub = DraftTree(tree.tokens[i].cpu(), tree.parents[i].cpu(), tree.valid[i].cpu(), dp)
+    sub = DraftTree(tree.tokens[i].cpu(), tree.parents[i].cpu(), tree.valid[i].cpu(), dp, tree.siblings_sampled)
     return (sub, *(t[i].cpu() for t in tensors))
 
 
@@ -284,82 +292,129 @@ def check_kv(
     )
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="docs/gpu_check.md", help="markdown report path")
-    ap.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (median reported)")
-    ap.add_argument("--smoke-cpu", action="store_true", help="tiny sizes through the Triton interpreter on the CPU")
-    args = ap.parse_args()
-    if args.smoke_cpu:
-        device, Bs, ns, Vs, kv_shape, repeats = "cpu", (1, 3), (6,), (64,), (2, 64, 16), 1
-    elif not torch.cuda.is_available():
-        print("gpu_check.py needs CUDA (no CUDA device is visible); use --smoke-cpu to test the script on a CPU.")
-        return 2
-    else:
-        device, Bs, ns, Vs, kv_shape, repeats = (
-            "cuda",
-            (1, 16, 64),
-            (16, 60),
-            (8192, 128256),
-            (8, 2048, 128),
-            args.repeats,
-        )
-    c = Checker(device, repeats)
-    t_start = time.perf_counter()
+@dataclass(frozen=True)
+class Sizes:
+    """What one run checks, and where."""
+
+    device: str
+    batch_sizes: tuple[int, ...]
+    """B of every check."""
+    tree_sizes: tuple[int, ...]
+    """n, nodes per tree (root included), of the verify checks."""
+    vocab_sizes: tuple[int, ...]
+    """V of the verify checks."""
+    kv_shape: tuple[int, int, int]
+    """(H, S, D) of the compacted cache."""
+    repeats: int
+    """Timed calls per measurement."""
+
+
+SMOKE_CPU = Sizes("cpu", (1, 3), (6,), (64,), (2, 64, 16), 1)
+"""Tiny sizes for the Triton interpreter."""
+
+
+def gpu_sizes(repeats: int) -> Sizes:
+    """The sizes the docstring names, on CUDA."""
+    return Sizes("cuda", (1, 16, 64), (16, 60), (8192, 128256), (8, 2048, 128), repeats)
+
+
+def check_verify_rules(c: Checker, sizes: Sizes) -> None:
+    """Greedy (three input kinds) and rejection sampling (stochastic and one-hot q) at every B × n × V."""
     seed = 0
-    for V in Vs:
-        for n in ns:
-            for B in Bs:
+    for V in sizes.vocab_sizes:
+        for n in sizes.tree_sizes:
+            for B in sizes.batch_sizes:
                 seed += 1
                 check_greedy(c, B, n, V, seed)
                 for draft in ("stochastic", "onehot"):
                     check_rejection(c, B, n, V, seed, draft)
-                if device == "cuda":
+                if sizes.device == "cuda":
                     torch.cuda.empty_cache()
-    # edge cases: many exact argmax ties, zeros in p and q with all-zero residuals
-    tree, logits = greedy_inputs(max(Bs), max(ns), min(Vs), 99, device, ties=True)
+
+
+def check_edge_cases(c: Checker, sizes: Sizes) -> None:
+    """Many exact argmax ties; zeros in p and q with all-zero residuals."""
+    B, n, V = max(sizes.batch_sizes), max(sizes.tree_sizes), min(sizes.vocab_sizes)
+    tree, logits = greedy_inputs(B, n, V, 99, sizes.device, ties=True)
     ok = bool(same_rows(verify_greedy(tree, logits, force_triton=True), accept_greedy(tree, logits)).all())
-    c.add("greedy, tied integer logits", f"B={max(Bs)} n={max(ns)} V={min(Vs)}", None, None, ok, "bit-identical")
-    for V in Vs:
-        check_rejection(c, max(Bs), max(ns), V, 100 + V % 7, "degenerate")
-    H, S, D = kv_shape
-    for B in Bs:
+    c.add("greedy, tied integer logits", f"B={B} n={n} V={V}", None, None, ok, "bit-identical")
+    for V in sizes.vocab_sizes:
+        check_rejection(c, B, n, V, 100 + V % 7, "degenerate")
+
+
+def check_compaction(c: Checker, sizes: Sizes) -> None:
+    """KV compaction of a bf16 cache at every B (timed), then float32 and a strided float16 cache (untimed)."""
+    H, S, D = sizes.kv_shape
+    for B in sizes.batch_sizes:
         check_kv(c, B, H, S, D, 200 + B)
-    check_kv(c, max(Bs), H, S, D, 300, torch.float32, timed=False)
-    check_kv(c, max(Bs), H, S, D, 301, torch.float16, timed=False, strided=True)
-    wall = time.perf_counter() - t_start
+    check_kv(c, max(sizes.batch_sizes), H, S, D, 300, torch.float32, timed=False)
+    check_kv(c, max(sizes.batch_sizes), H, S, D, 301, torch.float16, timed=False, strided=True)
 
-    if device == "cuda":
-        import triton
 
-        env = (
-            f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"CUDA {torch.version.cuda}"
-        )
-    else:
-        env = "CPU smoke run (Triton interpreter): timings are meaningless"
+def environment(device: str) -> str:
+    """The machine and versions the report names."""
+    if device != "cuda":
+        return "CPU smoke run (Triton interpreter): timings are meaningless"
+    import triton
+
+    return (
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"CUDA {torch.version.cuda}"
+    )
+
+
+def report_markdown(c: Checker, sizes: Sizes, wall: float) -> str:
+    """The markdown report: how it was made, what is checked and the table."""
     status = "all checks passed" if not c.failures else f"{len(c.failures)} checks FAILED"
-    report = "\n".join(
+    env = environment(sizes.device)
+    return "\n".join(
         [
             "# GPU check of the verify kernels",
             "",
             f"Generated by `python scripts/gpu_check.py` on {env}; {status}; {wall:.0f} s in all.",
             "",
-            f"Times: median of {repeats} calls after two warm-up calls, each call bracketed by "
+            f"Times: median of {sizes.repeats} calls after two warm-up calls, each call bracketed by "
             "`torch.cuda.synchronize()`. torch = the reference (`infer.accept`, `torch.gather`), triton = "
             "`infer/kernels` with `force_triton=True`. Greedy and compaction must be bit-identical; rejection "
             f"rows may differ only at rounding-level ties (float64 replay distance <= {TIE_TOL:g}, at most "
             f"{MAX_TIE_FRACTION:.0%} of rows). Trees: random parents biased to depth, 3/4 to all nodes valid; "
-            "greedy drafts copy the target argmax with prob 0.7; rejection drafts are sampled from q (stochastic) "
-            "or are q's top choices (one-hot); KV keeps the prefix plus ~10% of the last 60 positions.",
+            "greedy drafts copy the target argmax with prob 0.7; rejection drafts are sampled from q, siblings "
+            "without replacement (stochastic), or are q's top choices (one-hot); KV keeps the prefix plus ~10% of the last 60 positions.",
             "",
             c.table(),
             "",
         ]
     )
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="markdown report path (default docs/gpu_check.md; smoke: temp folder)")
+    ap.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (median reported)")
+    ap.add_argument("--smoke-cpu", action="store_true", help="tiny sizes through the Triton interpreter on the CPU")
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if args.smoke_cpu:
+        sizes, default_out = SMOKE_CPU, Path(tempfile.gettempdir()) / "gpu_check_smoke.md"
+    elif not torch.cuda.is_available():
+        print("gpu_check.py needs CUDA (no CUDA device is visible); use --smoke-cpu to test the script on a CPU.")
+        return 2
+    else:
+        sizes, default_out = gpu_sizes(args.repeats), Path("docs/gpu_check.md")
+
+    c = Checker(sizes.device, sizes.repeats)
+    t_start = time.perf_counter()
+    check_verify_rules(c, sizes)
+    check_edge_cases(c, sizes)
+    check_compaction(c, sizes)
+    report = report_markdown(c, sizes, time.perf_counter() - t_start)
+
     print()
     print(report)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else default_out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)
     print(f"written to {out}")

@@ -3,7 +3,7 @@ the one aggregation that training's simulated τ, the precision policy, the cost
 
 import pytest
 
-from infer.generate import GenerationStats, depth_tallies
+from infer.stats import GenerationStats, depth_tallies
 from models.acceptance import acceptance_rates, expected_tokens
 
 

@@ -1,6 +1,6 @@
 """The one answerer (train/data/answerer.py): turn-by-turn answers from the target's own earlier answers, continuous
 batching that changes nothing, shards that resume, ranks that split the work disjointly, continuations of exact
-length; and the continuous decoder under it (infer/generate.py)."""
+length; and the continuous decoder under it (infer/continuous.py)."""
 
 import gzip
 import json
@@ -166,8 +166,8 @@ def test_continuous_batching_gives_each_prompt_its_lone_greedy_answer(tiny_targe
     """Prompts of different lengths joining a running batch of 2 as slots free up (and one prompt of a single token,
     nothing to prefill), some of them submitted from on_done as a next turn would be: every answer equals the lone
     greedy run."""
-    import infer.generate as generate_module
-    from infer.generate import decode_continuous
+    import infer.continuous as continuous_module
+    from infer.continuous import decode_continuous
 
     target = TargetModel(tiny_target)
     prompts = {f"p{i}": list(range(2 + i, 2 + i + n)) for i, n in enumerate((5, 1, 9, 3, 12, 2))}
@@ -187,14 +187,14 @@ def test_continuous_batching_gives_each_prompt_its_lone_greedy_answer(tiny_targe
 
     params = SamplingParams(max_new_tokens=6)
     widths = []
-    real_step = generate_module._vanilla_step
+    real_step = continuous_module.vanilla_round
 
     def step(target, state, *args):
         widths.append(state.kv_valid.shape[1])
         assert all(layer.keys.shape[2] == widths[-1] for layer in state.cache.layers)
         return real_step(target, state, *args)
 
-    monkeypatch.setattr(generate_module, "_vanilla_step", step)
+    monkeypatch.setattr(continuous_module, "vanilla_round", step)
     stats = decode_continuous(target, submit, on_done, params, (), batch_size=2, refill=1)
     # slots no live row holds are dropped: the cache never outgrows the longest prompt plus one answer
     assert max(widths) <= 12 + 6
@@ -228,7 +228,9 @@ def test_the_run_is_set_against_the_machines_limit_for_the_same_work(tokenizers,
     monkeypatch.setattr(answerer, "_gemm_rate", lambda dtype: 1e9)  # 1 GFLOP/s: the arithmetic below is exact
     tok, target = tokenizers["reference"], TargetModel(tiny_target)
     lines = []
-    counts = answer(target, tok, _jobs(), AnswerConfig(max_new_tokens=4, batch_size=2), tmp_path / "c", log=lines.append)
+    counts = answer(
+        target, tok, _jobs(), AnswerConfig(max_new_tokens=4, batch_size=2), tmp_path / "c", log=lines.append
+    )
     assert counts["prompt_tokens"] > counts["answers"] * 5  # each of the 10 turns' prompts, prefilled whole
     # the ratio is printed to 3 decimals: on a slow (loaded) host it is small and the rounding is its error
     ratio = counts["tokens_per_s"] / counts["limit_tokens_per_s"]
@@ -243,7 +245,12 @@ def test_the_run_is_set_against_the_machines_limit_for_the_same_work(tokenizers,
     assert got["limit_tokens_per_s"] == round(1e9 / (flops / 10), 1)
 
 
-def test_the_target_written_build_answers_through_the_answerer_and_resumes(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
+def test_the_target_written_build_answers_through_the_answerer_and_resumes(
+    tokenizers,  # noqa: F811 (a fixture)
+    tiny_target,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
     """`train.target_written.build` with the request stage, the code tasks and the prose replaced by fixed ones (a random
     tiny model writes no request the filter keeps): held-out requests of every family are answered apart or kept as
     evaluation prompts, pass 2 derives tasks from pass-1 answers, a request copying an evaluation prompt is dropped,

@@ -1,10 +1,10 @@
-"""Batch-aware speculation (infer/batch_policy.py, eval.cost_curve.batch_length / size_batch_policy): the chain length
+"""Batch-aware speculation (infer/batch_policy.py, eval.batch_sizing.batch_length / size_batch_policy): the chain length
 per batch size, off where the cost curve says it cannot pay, applied per generate call without changing outputs."""
 
 import pytest
 import torch
 
-from eval.cost_curve import AUTO_MARGIN, batch_length, size_batch_policy
+from eval.batch_sizing import AUTO_MARGIN, batch_length, size_batch_policy
 from infer.batch_policy import BatchAwareProposer, BatchPolicy
 from infer.generate import generate_speculative, generate_vanilla
 from infer.proposers import DraftModelProposer, PromptLookupProposer

@@ -40,7 +40,9 @@ def test_no_evaluation_turn_shares_a_13_gram_with_the_shipped_training_files():
 @pytest.mark.skipif(not (ROOT / "outputs/text-tier/train").is_dir(), reason="text tier not built here")
 def test_no_evaluation_turn_shares_a_13_gram_with_the_text_tier():
     turns = evaluation_turns()
-    hit = contaminated([t for _, t in turns], conversation_texts(sorted((ROOT / "outputs/text-tier/train").glob("*.gz"))))
+    hit = contaminated(
+        [t for _, t in turns], conversation_texts(sorted((ROOT / "outputs/text-tier/train").glob("*.gz")))
+    )
     assert not hit, [turns[i][0] for i in sorted(hit)]
 
 

@@ -12,7 +12,9 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from models.eagle3 import Eagle3Config, Eagle3Drafter, TargetInfo, read_checkpoint_config
+from models.checkpoint import TargetInfo
+from models.eagle3 import Eagle3Drafter
+from models.eagle3_config import Eagle3Config, read_checkpoint_config
 from models.eagle3_export import (
     save_sglang,
     save_speculators,

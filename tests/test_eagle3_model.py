@@ -15,7 +15,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from models.eagle3 import Eagle3Config, Eagle3Drafter, FusedStep
+from models.eagle3 import Eagle3Drafter, FusedStep
+from models.eagle3_config import Eagle3Config
 from models.target import TargetModel
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage
 

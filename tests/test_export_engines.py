@@ -42,7 +42,8 @@ from transformers import (
 from transformers.modeling_layers import MtpModel
 
 from infer.mtp_proposer import input_signal
-from models.eagle3 import Eagle3Drafter, read_checkpoint_config
+from models.eagle3 import Eagle3Drafter
+from models.eagle3_config import read_checkpoint_config
 from models.eagle3_export import save_sglang, save_speculators, sglang_config
 from models.medusa import MedusaDrafter
 from models.medusa_export import (

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from eval.report import ReportConfig, candidates, report_prompts, run_report
+from eval.report import candidates, run_report
+from eval.report_config import ReportConfig, report_prompts
 from infer.families import FAMILIES, family_of, load_drafter, lookup
 from infer.family import ChainSizer, DrafterFamily, ProposerSetting, ReportSettings
 from infer.generate import generate_vanilla
@@ -25,7 +26,8 @@ from models.checkpoint import TargetInfo, read_checkpoint, read_weights, write_c
 from models.eagle3 import Eagle3Drafter
 from models.medusa import MedusaDrafter
 from models.mtp import MTPDrafter
-from models.target import TargetConfig, TargetModel, load_tokenizer, stop_ids
+from models.target import TargetConfig, TargetModel
+from models.tokenizer import load_tokenizer, stop_ids
 from tests.conftest import ROOT
 
 # ---------------------------------------------------------------------------------------- a toy family
@@ -224,7 +226,11 @@ def test_compare_settings_keeps_the_first_settings_of_compared_drafters_only(tin
     measured drafter keeps every one of its own and the hybrid built from it; 0 keeps everything."""
     medusa = MedusaDrafter.from_target(tiny_target, num_heads=2)
     medusa.config.tree_paths = [[0], [1]]
-    drafters = [Eagle3Drafter.from_target(tiny_target, draft_vocab_size=16), medusa, MTPDrafter.from_target(tiny_target, 1)]
+    drafters = [
+        Eagle3Drafter.from_target(tiny_target, draft_vocab_size=16),
+        medusa,
+        MTPDrafter.from_target(tiny_target, 1),
+    ]
     base = dict(chain_k=2, tree_total_tokens=4, tree_top_k=2, tree_depth=2, draft_model=None, mtp_top_k=2)
 
     def rows(**over) -> list[tuple[str, str]]:

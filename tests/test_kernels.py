@@ -125,7 +125,13 @@ def rejection_case(
 def to(device: str, tree: DraftTree, *tensors: torch.Tensor) -> tuple:
     dp = None if tree.draft_probs is None else tree.draft_probs.to(device)
     return (
-        DraftTree(tree.tokens.to(device), tree.parents.to(device), tree.valid.to(device), dp),
+        DraftTree(
+            tree.tokens.to(device),
+            tree.parents.to(device),
+            tree.valid.to(device),
+            dp,
+            siblings_sampled=tree.siblings_sampled,
+        ),
         *(t.to(device) for t in tensors),
     )
 

@@ -12,7 +12,8 @@ import pytest
 import eval.report as report_module
 from eval.leaderboard import Cell, LeaderboardConfig, cells_of, main, report_config
 from models.eagle3 import Eagle3Drafter
-from models.target import TargetConfig, TargetModel, load_tokenizer
+from models.target import TargetConfig, TargetModel
+from models.tokenizer import load_tokenizer
 from tests.test_data import CHAT_TEMPLATE
 
 QUESTIONS = [
@@ -133,7 +134,7 @@ def test_the_leaderboard_runs_resumes_and_reports_a_failing_cell(board_setup, mo
 
 
 def test_the_readme_block_is_generated_from_the_leaderboard_json(tmp_path):
-    from eval.leaderboard import README_BEGIN, README_END, readme_table, update_readme
+    from eval.leaderboard_tables import README_BEGIN, README_END, readme_table, update_readme
 
     row = {"proposer": "eagle3", "setting": "chain 3", "category": "all", "temperature": 0.0, "batch_size": 1,
            "speedup": 1.25, "tau": 2.0, "new_tokens": 100, "tokens_per_s": 25.0, "vanilla_new_tokens": 100,
@@ -159,7 +160,7 @@ def test_the_readme_table_is_the_shipped_leaderboard_s():
     edited by hand, or a leaderboard rerun without regenerating the README, fails here."""
     from pathlib import Path
 
-    from eval.leaderboard import README_BEGIN, README_END, readme_table
+    from eval.leaderboard_tables import README_BEGIN, README_END, readme_table
 
     root = Path(__file__).resolve().parents[1]
     board = json.loads((root / "docs" / "leaderboard" / "leaderboard.json").read_text())
@@ -170,7 +171,8 @@ def test_the_readme_table_is_the_shipped_leaderboard_s():
 
 
 def test_a_cell_from_another_kind_of_machine_is_measured_again_unless_reuse_is_asked(tmp_path):
-    from eval.leaderboard import collect, machines_words, run_cells
+    from eval.leaderboard import collect, run_cells
+    from eval.leaderboard_tables import machines_words
 
     here = {"device": "cpu", "name": "EPYC", "flags": ["avx2"], "threads": 2, "words": "EPYC (avx2), 2 threads"}
     there = here | {"flags": ["avx2", "avx512_bf16"], "words": "EPYC (avx2, avx512_bf16), 2 threads"}
@@ -229,7 +231,7 @@ ROW = {"proposer": "eagle3", "setting": "chain 3", "category": "all", "temperatu
 
 
 def test_the_evidence_is_one_labelled_entry_per_method_pooled_over_categories():
-    from eval.leaderboard import tables
+    from eval.leaderboard_tables import tables
     from eval.report_md import evidence
 
     code = ROW | {"cell": "code__T0__bs1", "source": "builtin:code", "greedy_identical": 0.75,
@@ -258,7 +260,8 @@ def test_the_evidence_is_one_labelled_entry_per_method_pooled_over_categories():
 
 
 def test_plots_without_a_sweep_have_no_batch_plot_and_counted_acceptance_is_unconditional(tmp_path):
-    from eval.leaderboard import _plot_acceptance, write_markdown, write_plots
+    from eval.leaderboard_plots import _plot_acceptance, write_plots
+    from eval.leaderboard_tables import write_markdown
 
     stale = tmp_path / "speedup_by_batch.png"
     stale.write_bytes(b"old")
@@ -304,7 +307,8 @@ def test_the_quick_start_table_says_its_evidence_in_words(capsys):
 
 
 def test_a_sweep_is_plotted_with_its_values_and_vanilla_s_spread(tmp_path):
-    from eval.leaderboard import write_markdown, write_plots
+    from eval.leaderboard_plots import write_plots
+    from eval.leaderboard_tables import write_markdown
 
     swept = [
         ROW

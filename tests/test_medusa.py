@@ -13,7 +13,8 @@ from infer.medusa_proposer import MedusaProposer
 from infer.sampling import SamplingParams
 from infer.tree_search import best_rank_paths, expected_accepted
 from models.checkpoint import read_checkpoint
-from models.eagle3 import Eagle3Drafter, read_checkpoint_config
+from models.eagle3 import Eagle3Drafter
+from models.eagle3_config import read_checkpoint_config
 from models.medusa import MedusaConfig, MedusaDrafter
 from models.medusa_export import (
     medusa_original_state_dict,

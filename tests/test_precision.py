@@ -15,9 +15,6 @@ import torch
 
 from models.precision import (
     CPU_BF16_ENV,
-    GEMM,
-    PREFILL,
-    PREFIX,
     PrecisionChoice,
     choose,
     cpu_bf16_is_fast,
@@ -26,6 +23,7 @@ from models.precision import (
     redecide,
     serving_choice,
 )
+from models.precision_curves import GEMM, PREFILL, PREFIX
 from models.target import TargetConfig, TargetModel
 from models.timing import Timing
 from tests.conftest import recipe_args, run_to_end, tiny_llama
@@ -176,18 +174,19 @@ def test_a_real_measurement_is_cached_per_machine_and_target(measured, tmp_path,
     """The probe of a tiny Llama's shapes is timed once; the second ask reads the cache, --refresh measures again;
     a lock left by a process that died does not block the next one for ever."""
     import models.precision as precision
+    import models.precision_curves as curves
 
     config = tiny_llama(layers=3).config
     first = choose("serve", config, cache_dir=tmp_path)
-    assert first.source == "measured" and set(first.curves["float32"]) == {PREFILL, *precision.SERVE_ROWS}
+    assert first.source == "measured" and set(first.curves["float32"]) == {PREFILL, *curves.SERVE_ROWS}
     assert all(ms > 0 for ms in first.curves["float32"].values())
-    real_timer = precision.curve_timer
+    real_timer = curves.curve_timer
     # the re-check of a cached curve at t(1) is timed; a tiny model's sub-ms forward is too noisy to assert on, so
     # the re-check here reads the first measurement's own times (the stale case has its own test)
-    monkeypatch.setattr(precision, "curve_timer", lambda *a, **k: lambda d, key: first.curves[d][key])
+    monkeypatch.setattr(curves, "curve_timer", lambda *a, **k: lambda d, key: first.curves[d][key])
     again = choose("serve", config, cache_dir=tmp_path)
     assert again.source == "cached" and again.curves == first.curves
-    monkeypatch.setattr(precision, "curve_timer", real_timer)
+    monkeypatch.setattr(curves, "curve_timer", real_timer)
     other = tiny_llama(layers=2).config  # another target shape: its own entry
     assert choose("serve", other, cache_dir=tmp_path).source != "cached"
     assert choose("serve", config, cache_dir=tmp_path, refresh=True).source != "cached"
@@ -197,11 +196,11 @@ def test_a_real_measurement_is_cached_per_machine_and_target(measured, tmp_path,
     assert lock is None  # the measuring process removes its lock
     stale = precision._cache_path("distill", config, machine(), tmp_path).with_suffix(".lock")
     stale.touch()
-    old, precision.LOCK_WAIT_S = precision.LOCK_WAIT_S, 0.2
+    old, curves.LOCK_WAIT_S = curves.LOCK_WAIT_S, 0.2
     try:
         assert choose("distill", config, cache_dir=tmp_path).source != "cached"
     finally:
-        precision.LOCK_WAIT_S = old
+        curves.LOCK_WAIT_S = old
     assert not stale.exists()
 
 
@@ -292,21 +291,22 @@ def test_a_stale_cached_curve_is_measured_again(tmp_path, monkeypatch):
     """Curves cached on a busy or just-booted host: the one-size re-check at read time finds them off by more than
     STALE (or the dtypes' order flipped) and measures again; within STALE the cache stands."""
     import models.precision as precision
+    import models.precision_curves as curves
 
     monkeypatch.delenv(precision.CPU_BF16_ENV, raising=False)
     config = tiny_llama(layers=3).config
     host = {"float32": 30.0, "bfloat16": 40.0}  # ms per step at every size, what this host measures now
-    monkeypatch.setattr(precision, "curve_timer", lambda *a, **k: lambda d, key: host[d] * (1 + key / 100))
-    boot = {"float32": {k: 68.6 for k in (PREFILL, *precision.SERVE_ROWS)},
-            "bfloat16": {k: 62.6 for k in (PREFILL, *precision.SERVE_ROWS)}}  # fmt: skip
+    monkeypatch.setattr(curves, "curve_timer", lambda *a, **k: lambda d, key: host[d] * (1 + key / 100))
+    boot = {"float32": {k: 68.6 for k in (PREFILL, *curves.SERVE_ROWS)},
+            "bfloat16": {k: 62.6 for k in (PREFILL, *curves.SERVE_ROWS)}}  # fmt: skip
     path = precision._cache_path("serve", config, machine(), tmp_path)
-    precision._write_cache(path, boot)
+    curves._write_cache(path, boot)
     c = choose("serve", config, cache_dir=tmp_path)
     assert c.source == "measured again (the cache was stale: float32 t(1) 68.6 ms cached, 30.3 ms now)"
-    assert c.curves["float32"][1] == pytest.approx(30.3) and precision._read_cache(path)[0] == c.curves
+    assert c.curves["float32"][1] == pytest.approx(30.3) and curves._read_cache(path)[0] == c.curves
     host["float32"] = 33.0  # 9 % slower than cached: noise, the cache stands
     assert choose("serve", config, cache_dir=tmp_path).source == "cached"
-    assert precision._stale({"float32": {1: 30.0}, "bfloat16": {1: 31.0}}, {"float32": 33.0, "bfloat16": 31.0}, 1) == (
+    assert curves._stale({"float32": {1: 30.0}, "bfloat16": {1: 31.0}}, {"float32": 33.0, "bfloat16": 31.0}, 1) == (
         "the fastest dtype at t(1) is now bfloat16"
     )
 
@@ -345,6 +345,7 @@ def test_the_serving_choice_and_its_sizing_do_not_follow_timing_noise(measured, 
     them, as bf16 t(2) is cheaper than its disturbed t(1)), and bf16 t(16) stays wide through every retry. The
     choice, its chain and its predicted speedup are the clean curves' own; the spread is stated beside them."""
     import models.precision as precision
+    import models.precision_curves as curves
 
     clean = choose("serve", timer=lambda w, d, key: CLEAN[d][key], cpuinfo=AVX512_BF16)
     clean_plan = serving_choice(CLEAN)
@@ -354,7 +355,7 @@ def test_the_serving_choice_and_its_sizing_do_not_follow_timing_noise(measured, 
     tight = {("float32", 5), ("bfloat16", 1)}
     noisy = choose("serve", timer=_noisy_timer(calls, wide, tight), cpuinfo=AVX512_BF16)
     # pooled with the first, one clean retry still leaves the median high (spread 26 %): a second one settles it
-    assert calls.count(("float32", 1)) == 3 and calls.count(("bfloat16", 16)) == 1 + precision.RETRIES
+    assert calls.count(("float32", 1)) == 3 and calls.count(("bfloat16", 16)) == 1 + curves.RETRIES
     assert calls.count(("float32", 2)) == 1  # a tight timing is not measured again
     assert (noisy.dtype, noisy.vanilla_dtype) == (clean.dtype, clean.vanilla_dtype)
     plan = serving_choice(noisy.curves)
@@ -366,7 +367,7 @@ def test_the_serving_choice_and_its_sizing_do_not_follow_timing_noise(measured, 
 
     # the same noise read as measured (no retry, no fit) follows it: the one-token step looks 50 % dearer, and the
     # prediction with it (this test's reason to exist: it fails where the policy follows the noise)
-    monkeypatch.setattr(precision, "RETRIES", 0)
+    monkeypatch.setattr(curves, "RETRIES", 0)
     monkeypatch.setattr(precision, "fitted", lambda curve: curve)
     raw = choose("serve", timer=_noisy_timer([], wide, tight), cpuinfo=AVX512_BF16)
     assert serving_choice(raw.curves)[2] > 1.3 * clean_plan[2]

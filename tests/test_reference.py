@@ -149,7 +149,8 @@ def test_smollm2_loads_and_eagle3_is_greedy_identical_to_vanilla():
     from infer.sampling import SamplingParams
     from infer.tree_search import DynamicTreeConfig
     from models.eagle3 import Eagle3Drafter
-    from models.target import TargetConfig, TargetModel, load_tokenizer, stop_ids, tokenizer_fingerprint
+    from models.target import TargetConfig, TargetModel
+    from models.tokenizer import load_tokenizer, stop_ids, tokenizer_fingerprint
 
     tok = load_tokenizer(REFERENCE_NAME)
     target = TargetModel.from_config(TargetConfig(name_or_path=REFERENCE_NAME, dtype="float32", device="cpu"))

@@ -21,10 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.report import ReportConfig, run_report
+from eval.report import run_report
+from eval.report_config import ReportConfig
 from models.eagle3 import Eagle3Drafter
 from models.mtp import MTPDrafter
-from models.target import TargetConfig, TargetModel, load_tokenizer
+from models.target import TargetConfig, TargetModel
+from models.tokenizer import load_tokenizer
 from tests.conftest import ROOT
 
 GOLDEN = ROOT / "tests" / "data" / "report_rows.json"
@@ -154,7 +156,7 @@ def test_rows_from_hand_made_tallies_give_the_hand_computed_tau_alpha_and_speedu
     2.5 · 80 / (20 + 80) = 2.0; both prompts identical to vanilla."""
     from eval.measure import Candidate
     from eval.rows import CellTallies, rows_from_tallies
-    from infer.generate import GenerationStats
+    from infer.stats import GenerationStats
 
     cell = CellTallies(temperature=0.0, batch_size=1, repeats=1, prompts={"chat": 2})
     vanilla = GenerationStats(new_tokens=20, row_forwards=20, rounds=20, verify_s=1.6, bookkeeping_s=0.2, prefill_s=0.1)
@@ -191,7 +193,7 @@ def test_rows_per_category_at_a_batch_without_hf_generate():
     the faster vanilla of the two dtypes is the baseline."""
     from eval.measure import Candidate
     from eval.rows import CellTallies, Tally, rows_from_tallies
-    from infer.generate import GenerationStats
+    from infer.stats import GenerationStats
 
     cell = CellTallies(temperature=1.0, batch_size=2, repeats=1, prompts={"chat": 2, "code": 4})
     candidate = Candidate("draft", "chain 1", lambda: None)

@@ -1,4 +1,5 @@
-"""Tests for models/target.py on tiny random Llama / Qwen2 / Qwen3 / Mistral targets (no hub access)."""
+"""Tests for models/target.py (and the tokenizer helpers of models/tokenizer.py) on tiny random Llama / Qwen2 /
+Qwen3 / Mistral targets (no hub access)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,9 @@ from models.target import (
     _first_tensor,
     default_aux_layer_ids,
     from_before_layer_ids,
-    load_tokenizer,
     to_before_layer_ids,
-    tokenizer_fingerprint,
 )
+from models.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 4
 TINY = {

@@ -29,7 +29,8 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from models.config import parse_cli, save_config  # noqa: E402
 from models.draft_model import cut_target  # noqa: E402
-from models.target import TargetConfig, TargetModel, load_tokenizer  # noqa: E402
+from models.target import TargetConfig, TargetModel  # noqa: E402
+from models.tokenizer import load_tokenizer  # noqa: E402
 from train.data.dataset import DataConfig, build_dataset, collate  # noqa: E402
 from train.optim import adamw, set_lr, warmup_cosine  # noqa: E402
 

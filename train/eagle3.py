@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,12 +28,12 @@ import torch  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from eval.report import ReportConfig, run_report  # noqa: E402
+from eval.report_config import ReportConfig  # noqa: E402
 from models.acceptance import expected_tokens  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.eagle3 import Eagle3Drafter  # noqa: E402
 from models.eagle3_export import save_sglang, save_speculators  # noqa: E402
-from models.target import TargetConfig, TargetModel  # noqa: E402
+from models.target import TargetConfig  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data.dataset import DataConfig  # noqa: E402
@@ -40,10 +41,18 @@ from train.data.self_distill import SelfDistillConfig, load_self_distilled, writ
 from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage  # noqa: E402
 from train.features import attention_masks, target_signals  # noqa: E402
-from train.loop import TrainingPlan, feature_source, load_target_and_data, start_training  # noqa: E402
+from train.finish import report_drafter, save_drafter  # noqa: E402
+from train.loop import (  # noqa: E402
+    LoopResult,
+    TargetAndData,
+    TrainingPlan,
+    feature_source,
+    load_target_and_data,
+    start_training,
+)
 from train.losses import ttt_loss, ttt_targets  # noqa: E402
 from train.optim import adamw  # noqa: E402
-from train.progress import Progress, record, stamp_heldout  # noqa: E402
+from train.progress import Progress, record  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
 from train.schedule import epoch_batch, eval_batches, sample_lengths, to_device  # noqa: E402
 
@@ -89,18 +98,34 @@ class Eagle3RecipeConfig:
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def build_drafter(
-    cfg: Eagle3RecipeConfig, target: TargetModel, tokenizer, train_set, eval_set, out: Path, log
-) -> Eagle3Drafter:
+def reference_corpus_writer(cfg: Eagle3RecipeConfig, log) -> Callable[[object], None] | None:
+    """``load_target_and_data``'s ``prepare``: write each missing split of the reference corpus into
+    ``stdlib_corpus_dir`` (None when the recipe names no such folder)."""
+    if not cfg.stdlib_corpus_dir:
+        return None
+
+    def write_corpus(tokenizer) -> None:
+        from train.data.stdlib_samples import build_stdlib_samples
+
+        for split in ("train", "heldout"):
+            if not (Path(cfg.stdlib_corpus_dir) / f"stdlib_{split}_text.jsonl").exists():
+                written = build_stdlib_samples(tokenizer, split, out_dir=cfg.stdlib_corpus_dir)
+                log(f"reference corpus ({split}): {written}")
+
+    return write_corpus
+
+
+def build_drafter(cfg: Eagle3RecipeConfig, loaded: TargetAndData, log) -> Eagle3Drafter:
     """Fine-tune start, resume, or fresh drafter; the draft vocabulary is built once and then always reused."""
+    target, tokenizer, eval_set = loaded.target, loaded.tokenizer, loaded.eval_set
     if cfg.drafter.init_from:
         log(f"drafter: fine-tuning {cfg.drafter.init_from} (weights and draft vocabulary reused)")
         return Eagle3Drafter.from_pretrained(cfg.drafter.init_from, target, tokenizer)
     drafter = Eagle3Drafter.from_target(
         target, cfg.drafter.draft_vocab_size, tokenizer, norm_before_fc=cfg.drafter.norm_before_fc
     )
-    vocab_file = out / "draft_vocab.safetensors"
-    counts = count_loss_tokens(train_set, target.vocab_size)
+    vocab_file = Path(cfg.train.output_dir) / "draft_vocab.safetensors"
+    counts = count_loss_tokens(loaded.train_set, target.vocab_size)
     if vocab_file.exists():
         maps = load_file(str(vocab_file))
         d2t, t2d = maps["d2t"], maps["t2d"]
@@ -118,6 +143,13 @@ def build_drafter(
         f"{coverage(counts, drafter.t2d.cpu()):.1%} of the training targets{heldout}"
     )
     return drafter
+
+
+def save_draft_vocab(accelerator, drafter: Eagle3Drafter, out: Path) -> None:
+    """``<out>/draft_vocab.safetensors``, written once by the main process: a resumed run reads it back
+    (`build_drafter`), so the vocabulary never changes under trained weights."""
+    if accelerator.is_main_process and not (out / "draft_vocab.safetensors").exists():
+        save_file({"d2t": drafter.d2t.cpu(), "t2d": drafter.t2d.cpu()}, str(out / "draft_vocab.safetensors"))
 
 
 @torch.no_grad()
@@ -142,19 +174,29 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
     return {"eval/acc": alphas, "eval/simulated_tau": expected_tokens(alphas)}
 
 
-def add_self_distilled(accelerator, cfg: Eagle3RecipeConfig, target, prompt_pool, train_set, pad_id: int, log):
-    """The training set plus the target's own continuations of training prompts (``self_distill``), written once by
-    the main process to ``<output_dir>/self_distill.jsonl`` and read back by every rank."""
+def add_self_distilled(accelerator, cfg: Eagle3RecipeConfig, loaded: TargetAndData, log) -> datasets.Dataset:
+    """The training set plus the target's own continuations of prompts of the whole training split
+    (``self_distill``), written once by the main process to ``<output_dir>/self_distill.jsonl`` and read back by
+    every rank."""
     if cfg.data.packing:
         raise SystemExit("self_distill adds unpacked samples; it cannot be combined with data.packing")
     distilled = Path(cfg.train.output_dir) / "self_distill.jsonl"
     if accelerator.is_main_process and not distilled.exists():
-        write_self_distilled(target, prompt_pool, cfg.self_distill, distilled, pad_id, cfg.train.seed, log)
+        write_self_distilled(
+            loaded.target, loaded.full_set, cfg.self_distill, distilled, loaded.pad_id, cfg.train.seed, log
+        )
     accelerator.wait_for_everyone()
-    extra = load_self_distilled(distilled, train_set.features, cfg.data.cache_dir)
-    train_set = datasets.concatenate_datasets([train_set, extra])
+    extra = load_self_distilled(distilled, loaded.train_set.features, cfg.data.cache_dir)
+    train_set = datasets.concatenate_datasets([loaded.train_set, extra])
     log(f"self-distillation: +{len(extra)} target continuations → {len(train_set)} training samples")
     return train_set
+
+
+def save_exports(drafter: Eagle3Drafter, out: Path, log) -> None:
+    """The engines' folders beside the checkpoint: SGLang's and the speculators' (vLLM's) layouts, both always
+    written (nothing to log)."""
+    save_sglang(drafter, out / "export-sglang")
+    save_speculators(drafter, out / "export-speculators")
 
 
 # ------------------------------------------------------------------------------------------------ loop
@@ -162,18 +204,17 @@ def train_ttt(
     accelerator,
     cfg: Eagle3RecipeConfig,
     plan: TrainingPlan,
-    target,
+    loaded: TargetAndData,
     samples,
     collate_fn,
-    pad_id: int,
     lengths,
-    eval_set,
     log,
-) -> tuple[int, float]:
+) -> LoopResult:
     """Training-time test (EAGLE-3): per micro-batch the target's signals, the drafter unrolled ``ttt_steps`` times
     on its own outputs, the step-weighted soft cross-entropy; at each optimizer step the log line, the held-out
-    evaluation, the resumable state and the snapshots when due. Returns (steps done, training seconds)."""
+    evaluation, the resumable state and the snapshots when due."""
     tc, out = cfg.train, Path(cfg.train.output_dir)
+    target, pad_id, eval_set = loaded.target, loaded.pad_id, loaded.eval_set
     rank, world = accelerator.process_index, accelerator.num_processes
     drafter, optimizer = plan.model, plan.optimizer
     model = accelerator.unwrap_model(drafter)
@@ -211,7 +252,7 @@ def train_ttt(
             snapshot = full_state(accelerator, drafter)
             if accelerator.is_main_process:
                 model.save_pretrained(out / "snapshots" / f"step-{progress.step}", snapshot)
-    return progress.step, progress.close()
+    return LoopResult(progress.step, progress.close())
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -220,84 +261,42 @@ def main(argv: list[str]) -> None:
         return report_mode(argv[1:], Eagle3RecipeConfig)
     cfg = parse_cli(Eagle3RecipeConfig, argv)
     tc = cfg.train
-    out = Path(tc.output_dir)
     accelerator, log = make_accelerator(tc, target=cfg.target)
-    world = accelerator.num_processes
     set_seed(tc.seed)
     t_start = time.time()
 
-    # ---- target, tokenizer, data
-    def write_corpus(tokenizer) -> None:
-        from train.data.stdlib_samples import build_stdlib_samples
-
-        for split in ("train", "heldout"):
-            if not (Path(cfg.stdlib_corpus_dir) / f"stdlib_{split}_text.jsonl").exists():
-                log(
-                    f"reference corpus ({split}): {build_stdlib_samples(tokenizer, split, out_dir=cfg.stdlib_corpus_dir)}"
-                )
-
-    prepare = write_corpus if cfg.stdlib_corpus_dir else None
-    tokenizer, pad_id, target, prompt_pool, train_set, eval_set = load_target_and_data(cfg, accelerator, log, prepare)
+    # ---- target, tokenizer, data (+ the target's own continuations, opt-in)
+    loaded = load_target_and_data(cfg, accelerator, log, reference_corpus_writer(cfg, log))
     if cfg.self_distill.samples:
-        train_set = add_self_distilled(accelerator, cfg, target, prompt_pool, train_set, pad_id, log)
+        loaded.train_set = add_self_distilled(accelerator, cfg, loaded, log)
 
     # ---- draft vocabulary + drafter
-    drafter = build_drafter(cfg, target, tokenizer, train_set, eval_set, out, log).to(accelerator.device)
-    if accelerator.is_main_process and not (out / "draft_vocab.safetensors").exists():
-        save_file({"d2t": drafter.d2t.cpu(), "t2d": drafter.t2d.cpu()}, str(out / "draft_vocab.safetensors"))
+    drafter = build_drafter(cfg, loaded, log).to(accelerator.device)
+    save_draft_vocab(accelerator, drafter, Path(tc.output_dir))
 
     # ---- features: online (target forward per batch) or offline (cache once, read every epoch)
-    samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
+    samples, collate_fn = feature_source(accelerator, tc, loaded.target, loaded.train_set, loaded.pad_id, log)
 
     # ---- optimizer, schedule, resume, the sharding this run really got
     optimizer = adamw(drafter, tc.lr, tc.weight_decay)
-    lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
-    plan = start_training(
-        accelerator,
-        cfg,
-        drafter,
-        optimizer,
-        len(samples),
-        log,
-        "eagle3",
-        f", ttt {cfg.drafter.ttt_steps}",
-        lengths=lengths,
-    )
+    # dataset order (the feature cache keeps it)
+    lengths = sample_lengths(loaded.train_set) if tc.group_by_length else None
+    detail = f", ttt {cfg.drafter.ttt_steps}"
+    plan = start_training(accelerator, cfg, drafter, optimizer, len(samples), log, "eagle3", detail, lengths=lengths)
 
     # ---- training-time-test loop
-    step, train_s = train_ttt(accelerator, cfg, plan, target, samples, collate_fn, pad_id, lengths, eval_set, log)
-    drafter = plan.model
-    model = accelerator.unwrap_model(drafter)
+    done = train_ttt(accelerator, cfg, plan, loaded, samples, collate_fn, lengths, log)
 
     # ---- save: resumable state, own-format checkpoint, engine exports
-    save_training_state(accelerator, out, {"step": step}, tc.keep_states)
-    gathered = full_state(accelerator, drafter)  # ZeRO-3 / FSDP: the whole drafter, on the main process
-    accelerator.end_training()
+    model = accelerator.unwrap_model(plan.model)
+    model = save_drafter(accelerator, tc, plan, model, Eagle3Drafter, loaded, done, t_start, log, save_exports)
     if not accelerator.is_main_process:
         return
-    stamp_heldout(model.target_info, tc, eval_set)
-    model.save_pretrained(out, gathered)
-    if gathered is not None:  # the sharded module in hand is not the drafter: serve the one file just written
-        model = Eagle3Drafter.from_pretrained(out, target, tokenizer)
-    if tc.export:
-        save_sglang(model, out / "export-sglang")
-        save_speculators(model, out / "export-speculators")
-    log(
-        f"saved {out} (+ exports) after {train_s / 60:.1f} min of training, {(time.time() - t_start) / 60:.1f} min total"
-    )
 
     # ---- report: τ and speedup in the verify runtime on held-out prompts
-    if cfg.report.enabled:
-        run_report(
-            target,
-            model,
-            tokenizer,
-            cfg.report,
-            out,
-            eval_set,
-            notes=f"Drafter trained {step} steps ({train_s / 60:.1f} min, world {world}).",
-            log=log,
-        )
+    world = accelerator.num_processes
+    notes = f"Drafter trained {done.steps} steps ({done.train_seconds / 60:.1f} min, world {world})."
+    report_drafter(cfg, loaded, model, Eagle3Drafter, notes, log)
 
 
 if __name__ == "__main__":

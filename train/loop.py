@@ -1,6 +1,7 @@
-"""What every drafter recipe does between parsing its config and its own loop: load the target and the data, choose
-the feature source, and start training (accelerate's wrapping, the step schedule, resuming, the run's log line, the
-tracker, the sharding check), which returns the run's `TrainingPlan`.
+"""What every drafter recipe does between parsing its config and its own loop: load the target and the data (a
+`TargetAndData`), choose the feature source, and start training (accelerate's wrapping, the step schedule, resuming,
+the run's log line, the tracker, the sharding check), which returns the run's `TrainingPlan`; a loop ends with a
+`LoopResult`, which `train.finish` saves and reports.
 
 The pieces it is made of sit beside it, one concern each: `train.config` (the ``train`` block), `train.distributed`
 (the accelerator, DeepSpeed / FSDP, sharded state), `train.schedule` (steps, epoch sharding, held-out batches),
@@ -10,15 +11,17 @@ The pieces it is made of sit beside it, one concern each: `train.config` (the ``
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from models.config import save_config, to_dict
-from models.target import TargetModel, load_tokenizer
+from models.target import TargetModel
+from models.tokenizer import load_tokenizer
 from train.checkpoint import load_training_state
 from train.config import TrainConfig
 from train.data.dataset import build_dataset, collate
@@ -27,6 +30,26 @@ from train.features import FeatureCache, cache_is_valid, cache_key, collate_feat
 from train.optim import set_lr, warmup_cosine
 from train.progress import record, scalars
 from train.schedule import check_sharding, schedule
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class TargetAndData:
+    """What `load_target_and_data` loads for a recipe."""
+
+    tokenizer: PreTrainedTokenizerBase
+    pad_id: int
+    """The tokenizer's pad id (0 when it has none)."""
+    target: TargetModel
+    full_set: datasets.Dataset
+    """The whole training split, before ``train.max_train_samples`` (self-distillation's prompt pool)."""
+    train_set: datasets.Dataset
+    """The samples the run trains on."""
+    eval_set: datasets.Dataset | None
+    """Held-out samples (None: the recipe has no ``eval_data``)."""
 
 
 @dataclass
@@ -48,6 +71,18 @@ class TrainingPlan:
     """Optimizer step to start from: 0, or the step of the resumed state."""
 
 
+@dataclass
+class LoopResult:
+    """Where a recipe's loop ended."""
+
+    steps: int
+    """Optimizer steps done, a resumed run's earlier ones included."""
+    train_seconds: float
+    """Seconds this run spent in its loop."""
+    last_eval: dict = field(default_factory=dict)
+    """The last held-out evaluation (empty: none ran, or the loop keeps none)."""
+
+
 def feature_source(
     accelerator: Accelerator, tc: TrainConfig, target: TargetModel, train_set, pad_id: int, log
 ) -> tuple[object, Callable]:
@@ -63,10 +98,12 @@ def feature_source(
     return FeatureCache(cache_dir), collate_features
 
 
-def load_target_and_data(cfg, accelerator: Accelerator, log, prepare: Callable[[object], None] | None = None):
-    """(tokenizer, pad id, target, the whole training split, the training subset, held-out set) of a recipe with
-    ``target``, ``data``, ``eval_data`` and ``train`` sections; ``prepare(tokenizer)`` runs first on the main
-    process (e.g. writing a corpus the data paths point into). Also writes <output_dir>/recipe.yaml."""
+def load_target_and_data(
+    cfg, accelerator: Accelerator, log, prepare: Callable[[object], None] | None = None
+) -> TargetAndData:
+    """Tokenizer, target and data of a recipe with ``target``, ``data``, ``eval_data`` and ``train`` sections;
+    ``prepare(tokenizer)`` runs first on the main process (e.g. writing a corpus the data paths point into). Also
+    writes <output_dir>/recipe.yaml."""
     tc = cfg.train
     tokenizer = load_tokenizer(cfg.target.name_or_path, cfg.target.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -94,7 +131,7 @@ def load_target_and_data(cfg, accelerator: Accelerator, log, prepare: Callable[[
     if accelerator.is_main_process:
         Path(tc.output_dir).mkdir(parents=True, exist_ok=True)
         save_config(cfg, Path(tc.output_dir) / "recipe.yaml")
-    return tokenizer, pad_id, target, full, train_set, eval_set
+    return TargetAndData(tokenizer, pad_id, target, full, train_set, eval_set)
 
 
 def start_training(

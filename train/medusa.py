@@ -32,23 +32,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 
-from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
+from eval.report import quality_note  # noqa: E402
+from eval.report_config import ReportConfig  # noqa: E402
 from infer.tree_search import best_rank_paths, expected_accepted  # noqa: E402
 from models.acceptance import expected_tokens  # noqa: E402
 from models.config import parse_cli  # noqa: E402
 from models.medusa import MedusaDrafter  # noqa: E402
 from models.medusa_export import medusa_original_refusal, save_medusa_original, save_medusa_vllm  # noqa: E402
 from models.target import TargetConfig  # noqa: E402
-from train.checkpoint import save_training_state  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data.dataset import DataConfig  # noqa: E402
-from train.distributed import full_state, make_accelerator  # noqa: E402
+from train.distributed import make_accelerator  # noqa: E402
 from train.features import final_hidden  # noqa: E402
-from train.joint import JointConfig, joint_words, save_target_changes, served, trained_modules  # noqa: E402
-from train.loop import feature_source, load_target_and_data, start_training  # noqa: E402
+from train.finish import report_drafter, save_drafter  # noqa: E402
+from train.joint import JointConfig, joint_words, trained_modules  # noqa: E402
+from train.loop import LoopResult, TargetAndData, feature_source, load_target_and_data, start_training  # noqa: E402
 from train.losses import position_targets, rank_hits  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
-from train.progress import stamp_heldout  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
 from train.schedule import eval_batches, sample_lengths, to_device  # noqa: E402
 
@@ -157,33 +157,84 @@ def build_heads(cfg: MedusaRecipeConfig, target, tokenizer, log) -> MedusaDrafte
     return heads
 
 
+def heads_task(
+    accelerator, cfg: MedusaRecipeConfig, loaded: TargetAndData, heads: MedusaDrafter, samples, collate_fn
+) -> PositionTask:
+    """Medusa's part of the shared loop (train/position_loop.py): head k's (positions, labels), its logits from the
+    frozen target's final-norm hidden state, the weights w^k, the held-out evaluation."""
+    K, target, pad_id = cfg.heads.num_heads, loaded.target, loaded.pad_id
+
+    def frozen_logits(model, batch, positions):
+        hidden = final_hidden(target, batch).to(next(heads.parameters()).dtype)
+        return model([hidden[p] for p in positions])
+
+    return PositionTask(
+        name="medusa",
+        positions=K,
+        position_loss="head_loss",
+        targets=lambda batch: [position_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)],
+        frozen_logits=frozen_logits,
+        batch_of=lambda ids: to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device),
+        num_samples=len(samples),
+        weights_at=lambda step: [cfg.heads.head_weight**k for k in range(K)],
+        evaluate=lambda: evaluate(accelerator, target, heads, loaded.eval_set, cfg, pad_id),
+    )
+
+
+def set_static_tree(heads: MedusaDrafter, last_eval: dict, log) -> None:
+    """The static tree the last held-out evaluation chose (none without held-out data) into the heads' config, which
+    the checkpoint carries."""
+    heads.config.tree_paths = last_eval.get("tree_paths", [])
+    if heads.config.tree_paths:
+        log(f"static tree: {len(heads.config.tree_paths)} nodes, expected τ {last_eval['eval/tree_expected_tau']:.2f}")
+
+
+def save_exports(heads: MedusaDrafter, out: Path, log) -> None:
+    """Each engine layout where its loader builds the heads as trained; otherwise the reason, logged."""
+    save_medusa_vllm(heads, out / "export-vllm")
+    why = medusa_original_refusal(heads)
+    if why is None:
+        save_medusa_original(heads, out / "export-medusa")
+    else:
+        log(f"export: export-medusa left out: {why}")
+
+
+def report_notes(joint: bool, done: LoopResult, before: dict | None, world: int, log) -> str:
+    """The report's words on the run; where the run measured Medusa-2's quality guard (held-out LM loss and
+    agreement with the original target, before and after), they carry it and are logged."""
+    minutes = done.train_seconds / 60
+    notes = f"Medusa-{2 if joint else 1} heads trained {done.steps} steps ({minutes:.1f} min, world {world})."
+    if before and "eval/lm_loss" in done.last_eval:
+        notes += " " + quality_note(before, done.last_eval)
+        log(notes)
+    return notes
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "report":
         return report_mode(argv[1:], MedusaRecipeConfig)
     cfg = parse_cli(MedusaRecipeConfig, argv)
-    tc, hc = cfg.train, cfg.heads
-    out = Path(tc.output_dir)
+    tc, hc, joint = cfg.train, cfg.heads, cfg.target.mode == "joint"
     if hc.init_from and not (Path(hc.init_from) / "config.json").exists():
         raise SystemExit(f"heads.init_from={hc.init_from}: no checkpoint there (train it first, or set null)")
-    warmup_phase = cfg.target.mode == "joint" and cfg.joint.drafter_warmup_steps > 0
+    warmup_phase = joint and cfg.joint.drafter_warmup_steps > 0
     # the target's parameters idle in warm-up, which DDP must be told
     accelerator, log = make_accelerator(tc, find_unused=warmup_phase, target=cfg.target)
-    world = accelerator.num_processes
     set_seed(tc.seed)
     t_start = time.time()
 
     # ---- target, tokenizer, data
-    tokenizer, pad_id, target, _, train_set, eval_set = load_target_and_data(cfg, accelerator, log)
+    loaded = load_target_and_data(cfg, accelerator, log)
+    target, train_set, eval_set = loaded.target, loaded.train_set, loaded.eval_set
 
     # ---- heads (and, for Medusa-2, the target that trains with them)
-    joint, jc = cfg.target.mode == "joint", cfg.joint
-    heads = build_heads(cfg, target, tokenizer, log)
-    samples, collate_fn = feature_source(accelerator, tc, target, train_set, pad_id, log)
+    heads = build_heads(cfg, target, loaded.tokenizer, log)
+    samples, collate_fn = feature_source(accelerator, tc, target, train_set, loaded.pad_id, log)
 
     # ---- optimizer, schedule, resume
     model, optimizer, joint_run = trained_modules(
-        accelerator, target, heads, heads_on if joint else None, tc, jc, eval_set, pad_id
+        accelerator, target, heads, heads_on if joint else None, tc, cfg.joint, eval_set, loaded.pad_id
     )
     lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
     before = joint_run.before if joint_run else None  # the quality guard's baseline
@@ -192,62 +243,18 @@ def main(argv: list[str]) -> None:
     )
 
     # ---- loop (train/position_loop.py, shared with MTP)
-    K = hc.num_heads
+    task = heads_task(accelerator, cfg, loaded, heads, samples, collate_fn)
+    done = train_positions(accelerator, tc, task, plan, lengths, log, joint_run, eval_set is not None)
 
-    def frozen_logits(model, batch, positions):
-        hidden = final_hidden(target, batch).to(next(heads.parameters()).dtype)
-        return model([hidden[p] for p in positions])
-
-    task = PositionTask(
-        name="medusa",
-        positions=K,
-        position_loss="head_loss",
-        targets=lambda batch: [position_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)],
-        frozen_logits=frozen_logits,
-        batch_of=lambda ids: to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device),
-        num_samples=len(samples),
-        weights_at=lambda step: [hc.head_weight**k for k in range(K)],
-        evaluate=lambda: evaluate(accelerator, target, heads, eval_set, cfg, pad_id),
-    )
-    step, train_s, last_eval = train_positions(
-        accelerator, tc, task, plan, lengths, log, joint_run, eval_set is not None
-    )
-
-    # ---- save: resumable state, the target's changes (Medusa-2), checkpoint with its static tree, engine exports
-    save_training_state(accelerator, out, {"step": step}, tc.keep_states)
-    gathered = full_state(accelerator, plan.model)  # ZeRO-3 / FSDP: the whole set of heads, on the main process
-    accelerator.end_training()
+    # ---- save: checkpoint with its static tree, resumable state, the target's changes (Medusa-2), engine exports
+    set_static_tree(heads, done.last_eval, log)
+    heads = save_drafter(accelerator, tc, plan, heads, MedusaDrafter, loaded, done, t_start, log, save_exports, joint)
     if not accelerator.is_main_process:
         return
-    heads.config.tree_paths = last_eval.get("tree_paths", [])
-    if heads.config.tree_paths:
-        log(f"static tree: {len(heads.config.tree_paths)} nodes, expected τ {last_eval['eval/tree_expected_tau']:.2f}")
-    if joint:
-        save_target_changes(target, heads, out)
-    stamp_heldout(heads.target_info, tc, eval_set)
-    heads.save_pretrained(out, gathered)
-    if gathered is not None:  # the sharded module in hand is not the heads: serve the one file just written
-        heads = MedusaDrafter.from_pretrained(out, target, tokenizer)
-    if tc.export:  # each engine layout where its loader builds the heads as trained; otherwise the reason
-        save_medusa_vllm(heads, out / "export-vllm")
-        why = medusa_original_refusal(heads)
-        if why is None:
-            save_medusa_original(heads, out / "export-medusa")
-        else:
-            log(f"export: export-medusa left out: {why}")
-    log(
-        f"saved {out} (+ exports) after {train_s / 60:.1f} min of training, {(time.time() - t_start) / 60:.1f} min total"
-    )
-    notes = f"Medusa-{2 if joint else 1} heads trained {step} steps ({train_s / 60:.1f} min, world {world})."
-    if before and "eval/lm_loss" in last_eval:
-        notes += " " + quality_note(before, last_eval)
-        log(notes)
+    notes = report_notes(joint, done, before, accelerator.num_processes, log)
 
     # ---- report: τ and speedup in the verify runtime on held-out prompts (a joint target as it will be served)
-    if cfg.report.enabled:
-        if joint:
-            target, heads = served(out, cfg.target, MedusaDrafter, tokenizer)
-        run_report(target, heads, tokenizer, cfg.report, out, eval_set, notes=notes, log=log)
+    report_drafter(cfg, loaded, heads, MedusaDrafter, notes, log, joint)
 
 
 if __name__ == "__main__":

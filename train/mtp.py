@@ -34,7 +34,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 
-from eval.report import ReportConfig, quality_note, run_report  # noqa: E402
+from eval.report import quality_note  # noqa: E402
+from eval.report_config import ReportConfig  # noqa: E402
 from infer.mtp_proposer import input_signal  # noqa: E402
 from infer.tree_search import expected_accepted  # noqa: E402
 from models.acceptance import expected_tokens  # noqa: E402
@@ -42,16 +43,15 @@ from models.config import parse_cli  # noqa: E402
 from models.mtp import BLOCK_INITS, INPUT_SIGNALS, MTPConfig, MTPDrafter  # noqa: E402
 from models.mtp_export import mtp_engine_exports  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
-from train.checkpoint import save_training_state  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data.dataset import DataConfig, collate  # noqa: E402
-from train.distributed import full_state, make_accelerator  # noqa: E402
+from train.distributed import make_accelerator  # noqa: E402
 from train.features import attention_masks, target_forward  # noqa: E402
-from train.joint import JointConfig, joint_words, save_target_changes, served, trained_modules  # noqa: E402
-from train.loop import load_target_and_data, start_training  # noqa: E402
+from train.finish import report_drafter, save_drafter  # noqa: E402
+from train.joint import JointConfig, joint_words, trained_modules  # noqa: E402
+from train.loop import LoopResult, TargetAndData, load_target_and_data, start_training  # noqa: E402
 from train.losses import position_targets, rank_hits  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
-from train.progress import stamp_heldout  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
 from train.schedule import eval_batches, sample_lengths, to_device  # noqa: E402
 
@@ -196,46 +196,19 @@ def build_modules(cfg: MTPRecipeConfig, target: TargetModel, tokenizer, log) -> 
     return drafter
 
 
-# ------------------------------------------------------------------------------------------------ main
-def main(argv: list[str]) -> None:
-    if argv and argv[0] == "report":
-        return report_mode(argv[1:], MTPRecipeConfig)
-    cfg = parse_cli(MTPRecipeConfig, argv)
-    tc, mc, jc = cfg.train, cfg.mtp, cfg.joint
-    out, joint = Path(tc.output_dir), cfg.target.mode == "joint"
-    if mc.init_from and not (Path(mc.init_from) / "config.json").exists():
-        raise SystemExit(f"mtp.init_from={mc.init_from}: no checkpoint there (train it first, or set null)")
-    accelerator, log = make_accelerator(tc, find_unused=joint and jc.drafter_warmup_steps > 0, target=cfg.target)
-    world = accelerator.num_processes
-    set_seed(tc.seed)
-    t_start = time.time()
-
-    # ---- target, tokenizer, data
-    tokenizer, pad_id, target, _, train_set, eval_set = load_target_and_data(cfg, accelerator, log)
-
-    # ---- modules (and, in joint mode, the target that trains with them)
-    drafter = build_modules(cfg, target, tokenizer, log)
-    signal = input_signal(drafter)  # read here: the loop's ``model`` may be a distributed wrapper
-
-    # ---- optimizer, schedule, resume
-    model, optimizer, joint_run = trained_modules(
-        accelerator, target, drafter, modules_on if joint else None, tc, jc, eval_set, pad_id
-    )
-    lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
-    before = joint_run.before if joint_run else None  # the quality guard's baseline
-    plan = start_training(
-        accelerator, cfg, model, optimizer, len(train_set), log, "mtp", before=before, lengths=lengths
-    )
-
-    # ---- loop (train/position_loop.py, shared with Medusa)
+def modules_task(accelerator, cfg: MTPRecipeConfig, loaded: TargetAndData, drafter: MTPDrafter) -> PositionTask:
+    """MTP's part of the shared loop (train/position_loop.py): depth d's (positions, labels), its logits from the
+    frozen target's signal, the weights λ_d (logged), the held-out evaluation."""
+    mc, target, train_set, pad_id = cfg.mtp, loaded.target, loaded.train_set, loaded.pad_id
     D = mc.num_modules
+    signal = input_signal(drafter)  # read off the drafter: the loop's ``model`` may be a distributed wrapper
 
     def frozen_logits(model, batch, positions):
         with torch.no_grad():
             hidden = signal.of(target_forward(target, batch, logits=False))
         return run_modules(model, hidden, batch, positions)
 
-    task = PositionTask(
+    return PositionTask(
         name="mtp",
         positions=D,
         position_loss="depth_loss",
@@ -244,36 +217,30 @@ def main(argv: list[str]) -> None:
         batch_of=lambda ids: to_device(collate([train_set[i] for i in ids], pad_id), accelerator.device),
         num_samples=len(train_set),
         weights_at=mc.weights_at,
-        evaluate=lambda: evaluate(accelerator, target, drafter, eval_set, tc, mc.tree_ranks, pad_id),
+        evaluate=lambda: evaluate(accelerator, target, drafter, loaded.eval_set, cfg.train, mc.tree_ranks, pad_id),
         log_extra=lambda step: {"lambda": mc.weights_at(step)},
     )
-    step, train_s, last_eval = train_positions(
-        accelerator, tc, task, plan, lengths, log, joint_run, eval_set is not None
-    )
 
-    # ---- save: resumable state, the target's changes (joint), checkpoint, engine exports
-    save_training_state(accelerator, out, {"step": step}, tc.keep_states)
-    gathered = full_state(accelerator, plan.model)  # ZeRO-3 / FSDP: all modules, on the main process
-    accelerator.end_training()
-    if not accelerator.is_main_process:
-        return
-    if joint:
-        save_target_changes(target, drafter, out)
-    stamp_heldout(drafter.target_info, tc, eval_set)
-    drafter.save_pretrained(out, gathered)
-    if gathered is not None:  # the sharded module in hand is not the drafter: serve the one file just written
-        drafter = MTPDrafter.from_pretrained(out, target, tokenizer)
-    if tc.export:  # each engine layout where it loads (D > 1: the first module), or the reason it does not
-        for name, write, what in mtp_engine_exports(drafter):
-            if write is None:
-                log(f"export: {name} left out: {what}")
-            else:
-                write(out / name)
-                log(f"export: {name} written: {what}")
-    log(
-        f"saved {out} (+ exports) after {train_s / 60:.1f} min of training, {(time.time() - t_start) / 60:.1f} min total"
+
+def save_exports(drafter: MTPDrafter, out: Path, log) -> None:
+    """Each engine layout where it loads (D > 1: the first module), or the reason it does not; logged either way."""
+    for name, write, what in mtp_engine_exports(drafter):
+        if write is None:
+            log(f"export: {name} left out: {what}")
+        else:
+            write(out / name)
+            log(f"export: {name} written: {what}")
+
+
+def report_notes(cfg: MTPRecipeConfig, done: LoopResult, before: dict | None, world: int) -> str:
+    """The report's words on the run: the held-out accuracy per depth and, in joint mode, the quality guard (held-out
+    LM loss and agreement with the original target, before and after), where the run measured them."""
+    kind = "joint" if cfg.target.mode == "joint" else "frozen target"
+    notes = (
+        f"MTP, {cfg.mtp.num_modules} module(s) trained {done.steps} steps ({done.train_seconds / 60:.1f} min, "
+        f"world {world}, {kind})."
     )
-    notes = f"MTP, {D} module(s) trained {step} steps ({train_s / 60:.1f} min, world {world}, {'joint' if joint else 'frozen target'})."
+    last_eval = done.last_eval
     if "eval/acc" in last_eval:
         notes += (
             f" Held-out teacher-forced top-1 accuracy per depth {last_eval['eval/acc']}, simulated τ"
@@ -281,13 +248,52 @@ def main(argv: list[str]) -> None:
         )
     if before and "eval/lm_loss" in last_eval:
         notes += " " + quality_note(before, last_eval)
+    return notes
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "report":
+        return report_mode(argv[1:], MTPRecipeConfig)
+    cfg = parse_cli(MTPRecipeConfig, argv)
+    tc, mc, jc = cfg.train, cfg.mtp, cfg.joint
+    joint = cfg.target.mode == "joint"
+    if mc.init_from and not (Path(mc.init_from) / "config.json").exists():
+        raise SystemExit(f"mtp.init_from={mc.init_from}: no checkpoint there (train it first, or set null)")
+    accelerator, log = make_accelerator(tc, find_unused=joint and jc.drafter_warmup_steps > 0, target=cfg.target)
+    set_seed(tc.seed)
+    t_start = time.time()
+
+    # ---- target, tokenizer, data
+    loaded = load_target_and_data(cfg, accelerator, log)
+    target, train_set, eval_set = loaded.target, loaded.train_set, loaded.eval_set
+
+    # ---- modules (and, in joint mode, the target that trains with them)
+    drafter = build_modules(cfg, target, loaded.tokenizer, log)
+
+    # ---- optimizer, schedule, resume
+    model, optimizer, joint_run = trained_modules(
+        accelerator, target, drafter, modules_on if joint else None, tc, jc, eval_set, loaded.pad_id
+    )
+    lengths = sample_lengths(train_set) if tc.group_by_length else None  # dataset order (the feature cache keeps it)
+    before = joint_run.before if joint_run else None  # the quality guard's baseline
+    plan = start_training(
+        accelerator, cfg, model, optimizer, len(train_set), log, "mtp", before=before, lengths=lengths
+    )
+
+    # ---- loop (train/position_loop.py, shared with Medusa)
+    task = modules_task(accelerator, cfg, loaded, drafter)
+    done = train_positions(accelerator, tc, task, plan, lengths, log, joint_run, eval_set is not None)
+
+    # ---- save: resumable state, the target's changes (joint), checkpoint, engine exports
+    drafter = save_drafter(accelerator, tc, plan, drafter, MTPDrafter, loaded, done, t_start, log, save_exports, joint)
+    if not accelerator.is_main_process:
+        return
+    notes = report_notes(cfg, done, before, accelerator.num_processes)
     log(notes)
 
     # ---- report: τ and speedup in the verify runtime on held-out prompts (a joint target as it will be served)
-    if cfg.report.enabled:
-        if joint:
-            target, drafter = served(out, cfg.target, MTPDrafter, tokenizer)
-        run_report(target, drafter, tokenizer, cfg.report, out, eval_set, notes=notes, log=log)
+    report_drafter(cfg, loaded, drafter, MTPDrafter, notes, log, joint)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ without a graph; joint: `train.joint.JointModel`, the target with a graph once t
 Σ_k λ_k CE_k (`train.losses.position_losses`), plus L_LM weighed against λ0 in joint training → backward under
 gradient accumulation; at each optimizer step the log line, the held-out evaluation (and, joint, the quality guard)
 and the resumable state when due. The recipes (train/medusa.py, train/mtp.py) build the family's `PositionTask`
-and call `train_positions`; they keep their setup, their save and their report.
+and call `train_positions`; they keep their setup, and save and report through `train.finish`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from train.checkpoint import save_training_state
 from train.config import TrainConfig
 from train.joint import JointRun, lm_loss, quality
-from train.loop import TrainingPlan
+from train.loop import LoopResult, TrainingPlan
 from train.losses import position_losses, position_targets
 from train.progress import Progress, record
 from train.schedule import epoch_batch
@@ -64,9 +64,9 @@ def train_positions(
     log,
     joint: JointRun | None,
     with_eval: bool,
-) -> tuple[int, float, dict]:
+) -> LoopResult:
     """Train ``plan.model`` to ``plan.total_steps`` from ``plan.start_step`` (a resumed run's), as
-    `train.loop.start_training` planned it; returns (steps done, training seconds, the last evaluation).
+    `train.loop.start_training` planned it; the result holds the last evaluation.
     ``joint``: where ``plan.model`` is a `JointModel`; None for a frozen target. ``with_eval``: there is a held-out
     set."""
     model, optimizer = plan.model, plan.optimizer
@@ -109,9 +109,8 @@ def train_positions(
         if not accelerator.sync_gradients:
             continue
         if joint is not None and not train_target:
-            for (
-                p
-            ) in joint.target.parameters():  # shared embeddings / heads are the target's: they wait for the joint phase
+            # shared embeddings / heads are the target's: they wait for the joint phase
+            for p in joint.target.parameters():
                 p.grad = None
         progress.optimizer_step(model, optimizer)
         do_log, do_eval = progress.due(with_eval)
@@ -132,4 +131,4 @@ def train_positions(
             record(accelerator, tc, metrics, log)
         if progress.save_due():
             save_training_state(accelerator, Path(tc.output_dir), {"step": progress.step}, tc.keep_states)
-    return progress.step, progress.close(), last_eval
+    return LoopResult(progress.step, progress.close(), last_eval)

@@ -7,7 +7,7 @@ Chat data (`train.data.target_written`), regeneration of an existing chat datase
   written in order, answer k seeing the target's own answers before it (turn-by-turn self-distillation);
 - a continuation job is a token prefix continued for exactly ``new_tokens`` tokens (raw text: no stop token).
 
-How it runs: the project's KV-cached vanilla loop with continuous batching (`infer.generate.decode_continuous`: a
+How it runs: the project's KV-cached vanilla loop with continuous batching (`infer.continuous.decode_continuous`: a
 finished row's slot takes the next prompt at once, so a batch never idles down to its longest answer, and new
 prompts join in groups of similar length, so little is left-padded), in the dtype the caller loaded the target in
 (the precision policy's ``distill`` choice by default). Kernel routing (`infer.serving.prepare_target`) is the
@@ -38,11 +38,12 @@ import jinja2
 import torch
 from tqdm.auto import tqdm
 
-from infer.generate import decode_continuous
+from infer.continuous import decode_continuous
 from infer.sampling import SamplingParams
 from infer.serving import prepare_target  # prepare_target: the entry points below
-from models.target import TargetModel, stop_ids
+from models.target import TargetModel
 from models.timing import gemm_gflops, gemm_seconds
+from models.tokenizer import stop_ids
 from train.data.chat_render import end_of_turn_token_ids, render
 
 
@@ -158,7 +159,7 @@ def answer(
     when it had no answer yet and is not written). Continuation rows: ``{"id", **meta,
     "input_ids": prompt + continuation, "loss_mask": [1, ...]}``.
 
-    Decoding is continuous (`infer.generate.decode_continuous`): a row that finishes frees its slot for the next
+    Decoding is continuous (`infer.continuous.decode_continuous`): a row that finishes frees its slot for the next
     prompt, and a conversation's next turn joins the queue as soon as its answer is in (ahead of new conversations,
     so finished rows, and shards, keep coming). Every ``batch_size`` finished jobs are one shard."""
     out_dir = Path(out_dir)
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=Path("outputs") / "answerer_bench")
     args = ap.parse_args(argv)
 
-    from models.target import load_tokenizer
+    from models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
     target = TargetModel.from_config(TargetConfig(name_or_path=args.target, dtype=args.dtype), "distill")

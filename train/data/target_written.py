@@ -38,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eval.stdlib_corpus import split_files, stdlib_files
-from infer.generate import decode_continuous
+from infer.continuous import decode_continuous
 from infer.sampling import SamplingParams
 from infer.serving import prepare_target
 from models.target import TargetModel
@@ -479,7 +479,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from models.target import TargetConfig, load_tokenizer
+    from models.target import TargetConfig
+    from models.tokenizer import load_tokenizer
 
     cfg = BuildConfig(**{k: getattr(args, k) for k in vars(BuildConfig())})
     tokenizer = load_tokenizer(args.target)

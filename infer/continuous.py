@@ -1,0 +1,115 @@
+"""Vanilla decoding with continuous batching: the throughput loop of self-distillation (`train/data/answerer.py`).
+
+Rows live in the KV slot layout of `infer.generate` (left-padded, explicit positions, a validity mask per slot), which
+is what lets a prompt join a running batch: its cache is left-padded to the batch's width and concatenated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from infer.generate import DecodeState, prefill, seeded_generator, vanilla_round
+from infer.sampling import SamplingParams
+from infer.stats import GenerationStats
+from models.target import TargetModel
+from models.timing import clock
+
+
+def decode_continuous(
+    target: TargetModel,
+    submit: Callable[[int], list[tuple[object, list[int]]]],
+    on_done: Callable[[object, list[int]], None],
+    params: SamplingParams,
+    eos_ids: tuple[int, ...],
+    batch_size: int,
+    refill: int | None = None,
+) -> GenerationStats:
+    """Vanilla decoding with continuous batching: a row that finishes frees its slot for the next prompt at once, so
+    a batch does not shrink to its longest answer (the throughput of batched self-distillation, where answer
+    lengths vary 10x).
+
+    ``submit(n)`` hands up to n ``(key, prompt)`` pairs (fewer or none when nothing is waiting); ``on_done(key,
+    tokens)`` receives each answer as it finishes (it may make new prompts available to ``submit``, e.g. the next
+    turn of a conversation). New prompts are prefilled together and joined to the running batch once ``refill``
+    slots are free (default a quarter of the batch): every join left-pads the shorter cache to the longer, so a join
+    per freed slot would copy the cache too often. Tokens and logits of a row do not depend on its neighbours (the
+    slot layout of `infer.generate`), so greedy answers equal those of one-at-a-time decoding up to the kernels'
+    rounding. One random stream serves all rows (T > 0 samples are not tied to a row's batch)."""
+    refill = max(1, refill if refill is not None else batch_size // 4)
+    stats = GenerationStats(tree_nodes=1)
+    t0 = clock(target.device)
+    gen = seeded_generator(params, target.device)
+    state: DecodeState | None = None
+    keys: dict[int, object] = {}
+    while True:
+        free = batch_size - (len(state.active) if state is not None else 0)
+        if state is None or not state.active or free >= refill:
+            new = submit(free) if free else []
+            if new:
+                tp = clock(target.device)
+                state = _join(target, state, [p for _, p in new], params, eos_ids, keys, [k for k, _ in new])
+                stats.prefill_s += clock(target.device) - tp
+        if state is None or not state.active:
+            break
+        for row in vanilla_round(target, state, params, gen, stats):
+            on_done(keys.pop(row), state.new_tokens[row])
+            state.new_tokens[row] = state.contexts[row] = []  # answered: release its text
+        if state.active:  # slots no live row holds (left padding of rows that finished) would be attended forever
+            unused = int(state.kv_valid.any(0).int().argmax())
+            if unused:
+                state.cache.drop_front(unused)
+                state.kv_valid = state.kv_valid[:, unused:]
+    stats.total_s = clock(target.device) - t0
+    return stats
+
+
+def _join(
+    target: TargetModel,
+    state: DecodeState | None,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    eos_ids: tuple[int, ...],
+    keys: dict[int, object],
+    new_keys: list[object],
+) -> DecodeState:
+    """``state`` with ``prompts`` prefilled and appended as new rows (their row ids continue the old ones); the two
+    caches are left-padded to one width (invalid slots) and concatenated along the batch."""
+    fresh = DecodeState(prompts, params, eos_ids, target.device)
+    prefill(target, fresh)
+    if state is None or not state.active:
+        base = 0 if state is None else len(state.contexts)
+        if state is not None:  # keep row ids unique across the run
+            fresh.contexts = state.contexts + fresh.contexts
+            fresh.new_tokens = state.new_tokens + fresh.new_tokens
+            fresh.active = [base + r for r in fresh.active]
+        keys.update({base + i: k for i, k in enumerate(new_keys)})
+        return fresh
+    base = len(state.contexts)
+    width = max(state.kv_valid.shape[1], fresh.kv_valid.shape[1])
+
+    def left_pad(t: torch.Tensor, dim: int, fill) -> torch.Tensor:
+        missing = width - t.shape[dim]
+        if missing == 0:
+            return t
+        shape = list(t.shape)
+        shape[dim] = missing
+        return torch.cat([torch.full(shape, fill, dtype=t.dtype, device=t.device), t], dim)
+
+    state.kv_valid = torch.cat([left_pad(state.kv_valid, 1, False), left_pad(fresh.kv_valid, 1, False)], 0)
+    if not fresh.cache.layers:  # prompts of one token: nothing was prefilled, every slot of theirs is invalid
+        fresh_kv = [(layer.keys[:0], layer.values[:0]) for layer in state.cache.layers]
+        fresh_kv = [
+            (k.new_zeros(len(prompts), *k.shape[1:]), v.new_zeros(len(prompts), *v.shape[1:])) for k, v in fresh_kv
+        ]
+    else:
+        fresh_kv = [(layer.keys, layer.values) for layer in fresh.cache.layers]
+    for layer, (k, v) in zip(state.cache.layers, fresh_kv):
+        layer.keys = torch.cat([left_pad(layer.keys, 2, 0.0), left_pad(k, 2, 0.0)], 0)
+        layer.values = torch.cat([left_pad(layer.values, 2, 0.0), left_pad(v, 2, 0.0)], 0)
+    state.contexts += fresh.contexts
+    state.new_tokens += fresh.new_tokens
+    state.active += [base + r for r in fresh.active]
+    keys.update({base + i: k for i, k in enumerate(new_keys)})
+    return state

@@ -11,7 +11,7 @@ from infer.generate import generate_vanilla
 from infer.sampling import SamplingParams
 from models.target import TargetModel
 from tests.test_data import backend, tiny_target, tokenizers  # noqa: F401 (fixtures)
-from train.data.answerer import AnswerConfig, Job, answer, answer_stop_ids, read_shards
+from train.data.answerer import AnswerConfig, Job, answer, answer_stop_ids, read_shards, window_sorted
 from train.data.chat_render import render
 
 QUESTIONS = ["hello there", "what is it", "a much longer question about many things", "why", "tell me more please"]
@@ -360,3 +360,18 @@ def test_steered_requests_are_sampled_continuously_filtered_and_resumed(tokenize
     more = target_written.synthesize_requests(TargetModel(tiny_target), tok, cfg, path, lambda m: None, "qa", 5)
     assert more[:3] == rows and [r["id"] for r in more] == [f"qa-{i}" for i in range(5)]
     assert len(seen_prompts) == 2  # only the two missing requests were sampled
+
+
+def test_new_prompts_are_sorted_by_length_only_within_windows_so_any_prefix_keeps_the_mix():
+    """Two kinds alternate, one short and one long: sorted within windows of 4, every window (hence every prefix of
+    the answering order) holds both kinds; a window as large as the set would put every short prompt first."""
+    prompts = [(f"{kind}{i}", [0] * (3 if kind == "short" else 40 + i)) for i in range(8) for kind in ("long", "short")]
+    got = window_sorted(prompts, 4)
+    assert sorted(got) == sorted(prompts)
+    for w in range(0, len(got), 4):
+        window = got[w : w + 4]
+        assert [len(p) for _, p in window] == sorted(len(p) for _, p in window)
+        assert {k.rstrip("0123456789") for k, _ in window} == {"short", "long"}
+    assert [k for k, _ in window_sorted(prompts, len(prompts))][:8] == [f"short{i}" for i in range(8)]
+    with pytest.raises(ValueError, match="length_window"):
+        AnswerConfig(length_window=0)

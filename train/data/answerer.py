@@ -79,11 +79,18 @@ class AnswerConfig:
     static batching (a batch runs until its longest answer ends), for comparison."""
     max_length: int | None = None
     """Chat: a prompt whose length plus max_new_tokens exceeds this ends its conversation there (counted)."""
+    length_window: int | None = None
+    """New prompts are taken in the order given, sorted by length only within consecutive windows of this many
+    (None: 4 x batch_size), so similar lengths still join together while every prefix of the answers keeps the mix
+    of the jobs (sorting the whole set answered the shortest task families first: a build stopped early had no
+    code, summarization, RAG or translation answers)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.new_tokens < 1 or self.batch_size < 1:
             raise ValueError("max_new_tokens, new_tokens and batch_size must be >= 1")
+        if self.length_window is not None and self.length_window < 1:
+            raise ValueError(f"length_window must be >= 1 (or None), got {self.length_window}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
@@ -198,6 +205,15 @@ def answer(
     return counts
 
 
+def window_sorted(prompts: list[tuple[str, list[int]]], window: int) -> list[tuple[str, list[int]]]:
+    """``prompts`` (job id, prompt ids) shortest first within each run of ``window`` consecutive ones, the runs in
+    their given order: a batch joins prompts of similar length (little left padding) without the whole set's
+    shortest kind going first."""
+    return [
+        kp for i in range(0, len(prompts), window) for kp in sorted(prompts[i : i + window], key=lambda kp: len(kp[1]))
+    ]
+
+
 class _Answering:
     """One `answer` call in flight: the prompts waiting to be decoded (a conversation's next turn ahead of new jobs),
     the conversations, the finished rows not yet in a shard, and the counts."""
@@ -215,7 +231,7 @@ class _Answering:
         self.t0 = time.time()
 
     def start(self, jobs: list[Job]) -> None:
-        """Every job's first prompt, shortest first: similar lengths join together, so little is left-padded."""
+        """Every job's first prompt, in the jobs' order sorted by length within windows (`window_sorted`)."""
         self.convs = {j.id: _Conversation(j) for j in jobs}
         for job in jobs:
             if not self.chat:
@@ -227,7 +243,7 @@ class _Answering:
                 self.finish(None)
             else:
                 self.fresh.append((job.id, prompt))
-        self.fresh.sort(key=lambda kp: len(kp[1]))
+        self.fresh = window_sorted(self.fresh, self.cfg.length_window or 4 * self.cfg.batch_size)
 
     def flush(self, at_least: int) -> None:
         if len(self.finished) >= max(at_least, 1):

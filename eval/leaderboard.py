@@ -70,18 +70,22 @@ class LeaderboardConfig:
     sweep_repeats: int = 3
     """Every method decodes each sweep batch this many times in turn (one call is one timing: vanilla against
     itself moved 20 % between two calls here); the sweep table gives vanilla's spread over them, the noise band."""
-    sweep_max_new_tokens: int = 64
-    """Answer cap in the sweep (a batch-64 call of vanilla in the slower dtype took 4 min at 128 tokens here)."""
-    max_new_tokens: int = 128
+    sweep_max_new_tokens: int = 32
+    """Answer cap in the sweep: a batch-64 round of the sweep's methods took 2.7 min at 64 tokens here, half the
+    sweep's decoding; 32 decode steps still time the batched verify against vanilla's batched step."""
+    max_new_tokens: int = 96
+    """Answer cap of the ordinary cells (answers stop at EOS before it where the target ends them)."""
     compare_settings: int = 1
     """Settings measured for each drafter after the first (eval.report_config.ReportConfig.compare_settings): 1 gives
     each its family's chain, one row per drafter; 0 every setting its family declares (trees, typical acceptance)."""
     draft_model: str | None = "cut"
     """The small draft-model baseline (a distilled folder, or "cut": the target's first layers, labelled); measured
-    at T = 0 only, like HF's assisted generation with it (at T = 1 both ran below vanilla here, 0.71x and 0.47x, at
-    the cost of ~5 vanilla calls a prompt)."""
+    at T = 0 only (at T = 1 it and HF's assisted generation with it ran below vanilla here, 0.71x and 0.47x, at the
+    cost of ~5 vanilla calls a prompt)."""
     hf_assisted: bool = True
-    """HF's assisted generation at batch 1 (prompt lookup, assistant model) beside ours."""
+    """HF's assisted generation at batch 1 beside ours: its prompt lookup. Its assisted generation with the
+    undistilled draft model is left out (eval.report_config.ReportConfig.hf_assisted_draft_model): it ran at 0.23x
+    here, ~4 vanilla calls a prompt, and the draft model's own row places that baseline."""
     hybrid_lookup: int = 10
     """The hybrid row's lookup chain (eval.report_config.ReportConfig.hybrid_lookup; 0 leaves the row out)."""
     hybrid_alone_match: int = 3
@@ -166,6 +170,7 @@ def report_config(cfg: LeaderboardConfig, cell: Cell):
         compare_settings=cfg.compare_settings,
         draft_model=cfg.draft_model,
         draft_model_sampled=False,
+        hf_assisted_draft_model=False,
         hf_assisted=cfg.hf_assisted and cell.batch_size == 1,
         hybrid_lookup=cfg.hybrid_lookup,
         hybrid_alone_match=cfg.hybrid_alone_match,

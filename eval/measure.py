@@ -238,7 +238,7 @@ class MeasurePlan:
             raise ValueError(f"batch_repeats must be >= 1, got {self.batch_repeats}")
 
     def repeats(self, bs: int) -> int:
-        return self.batch_repeats if bs > 1 else 1
+        return self.batch_repeats
 
 
 @torch.no_grad()
@@ -261,7 +261,7 @@ def measure(
     """Run vanilla, HF generate (bs 1) and every candidate on the same prompts; return result rows. The targets are
     made ready here (`ready_targets`, keeping a batch-1 loop chosen earlier); the rest is `measure_plan`.
 
-    ``batch_repeats``: at batch sizes above 1, decode each batch this many times, every method once per repeat in
+    ``batch_repeats``: decode each batch this many times, every method once per repeat in
     turn (a batch of cycled prompts is one call per method, and one call's timing on a shared host moved by 20 %
     here). Rows then pool the repeats and carry ``vanilla_repeat_spread``: the widest (max - min) / mean of
     vanilla's tokens/s over the repeats of one batch, the noise band a speedup there is read against.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,8 +232,12 @@ def run_report(
     ``prompt_source=eval_data``. ``drafter_dir``: the drafter's checkpoint folder (default ``out_dir``), whose
     held-out acceptance anchors the chain sizing. Plan (`plan_report`), measure (`eval.measure.measure_plan`), then
     the checks and the files."""
+    started = time.perf_counter()  # wall time of the phases, for the log: where a report's minutes go
     plan = plan_report(target, drafter, tokenizer, cfg, drafter_dir or out_dir, eval_set, log, families)
+    planned = time.perf_counter()
+    log(f"report: planned (prompts, serving targets, sizing) in {(planned - started) / 60:.1f} min")
     rows = measure_plan(plan.measurement, log)
+    log(f"report: measured in {(time.perf_counter() - planned) / 60:.1f} min")
     checks = report_checks(plan, rows, log)
     served = plan.measurement.target
     write_report(
@@ -295,7 +300,7 @@ def _hf_peers(cfg: ReportConfig, target: TargetModel, log: Callable[[str], None]
     if cfg.hf_assisted:
         assisted["HF prompt lookup (10)"] = dict(prompt_lookup_num_tokens=10, max_matching_ngram_size=2)
         draft, how = baseline_draft_model(cfg, target, log)
-        if draft is not None:
+        if draft is not None and cfg.hf_assisted_draft_model:
             assisted[f"HF assisted (draft model, {how})"] = dict(assistant_model=draft.to(target.device).eval())
     return assisted
 

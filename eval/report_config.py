@@ -83,7 +83,11 @@ class ReportConfig(*FAMILY_OPTIONS):
     of the target from its first differing token (eval.measure.fp32_replay)."""
     hf_assisted: bool = False
     """Also time HF's own assisted generation at batch 1, the outside peer: ``prompt_lookup_num_tokens=10`` and, when
-    the report has a draft model, ``assistant_model`` (rows without τ: HF reports no rounds)."""
+    the report has a draft model and ``hf_assisted_draft_model``, ``assistant_model`` (rows without τ: HF reports no
+    rounds)."""
+    hf_assisted_draft_model: bool = True
+    """HF's assisted generation with the draft model as ``assistant_model`` among the HF peers (off: HF's prompt
+    lookup only; the draft model's own rows still place that baseline)."""
     hybrid_lookup: int = 10
     """The hybrid row (infer/hybrid.py): the drafter's last setting (its tree where it has one) with prompt lookup's
     chain of up to this many tokens merged into each verify; 0 leaves the row out."""
@@ -98,8 +102,8 @@ class ReportConfig(*FAMILY_OPTIONS):
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     """Batch sizes to measure (a category with fewer prompts than a batch size is cycled to fill one batch)."""
     batch_repeats: int = 1
-    """At batch sizes above 1, every method decodes each batch this many times in turn (`eval.measure.measure`):
-    one call per method is one timing, and rows then say vanilla's spread over the repeats."""
+    """Every method decodes each batch this many times in turn (`eval.measure.measure`), at every batch size: one
+    call per method is one timing, and rows then say vanilla's spread over the repeats."""
     batch_auto: bool = True
     """Where batch_sizes goes past 1: also the batch-aware row (infer/batch_policy.py), the first drafter's sized
     chain with its length chosen per batch size from the cost curve measured at that batch size, switched off where

@@ -115,7 +115,7 @@ class DrafterFamily:
     reads the generic settings only."""
     step_timings: Callable[[Any, TargetModel, int, int], dict[str, float]] | None = None
     """(drafter, target, cached context tokens, repetitions) → seconds of one draft step by code path (e.g. the
-    module against a fused step), for ``python -m eval.cost_curve --drafter``. None: the cost curve times no draft
+    module against a fused step), for ``python -m eval.cost_curve_cli --drafter``. None: the cost curve times no draft
     step for the family."""
     engine_exports: Callable[[Any], list[EngineExport]] = no_engine_exports
     """drafter → its serving engines' folders, each with its writer or the reason it is refused (`drafters publish`

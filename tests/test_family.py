@@ -252,7 +252,7 @@ def test_compare_settings_keeps_the_first_settings_of_compared_drafters_only(tin
 
 
 def test_a_family_that_declares_its_draft_step_timings_is_timed_by_path(tiny_target):
-    """`python -m eval.cost_curve --drafter` prints the family's draft step by code path without naming the family:
+    """`python -m eval.cost_curve_cli --drafter` prints the family's draft step by code path without naming the family:
     EAGLE-3 declares its module and fused steps; a family without the declaration is timed by none."""
     drafter = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=16).eval()
     times = family_of(drafter).step_timings(drafter, tiny_target, 8, 2)

@@ -202,7 +202,7 @@ def test_drafts_equal_the_teacher_forced_forward(scaled_norm_target, each_signal
 def test_engine_exports_are_refused_for_a_llama_target(drafter, tmp_path):
     """vLLM and SGLang build their own MTP block (DeepSeek's MLA + MoE layer, Qwen3-Next's layer) and route a draft
     to it only for deepseek_v3 / qwen3_next targets: a Llama target's modules are refused with that reason, and
-    nothing is written (the layouts themselves are tested on such targets in tests/test_export_engines.py)."""
+    nothing is written (the layouts themselves are tested on such targets in tests/test_export_engines_mtp.py)."""
     from models.mtp_export import mtp_deepseek_refusal, mtp_qwen3_next_refusal, save_mtp_deepseek, save_mtp_qwen3_next
 
     for save, refusal, family in (

@@ -179,7 +179,7 @@ def test_joint_lora_trains_the_target_with_the_modules_and_reports_the_quality_g
     before = next(r for r in log if "before/lm_loss" in r)["before/lm_loss"]
     assert last["eval/lm_loss_change"] == pytest.approx(last["eval/lm_loss"] - before, abs=1e-3)
     assert (out / "target" / "adapter_config.json").exists() and read_checkpoint(out)[1].target_weights == "lora"
-    assert not (out / "export-qwen3-next").exists()  # a Llama target: refused (tests/test_export_engines.py)
+    assert not (out / "export-qwen3-next").exists()  # a Llama target: refused (tests/test_export_engines_mtp.py)
     # one pinned dtype: two "fastest" loads may each measure a different choice on a busy host
     base_cfg = TargetConfig(name_or_path=str(tiny_recipe / "target"), device="cpu", dtype="float32")
     base, changed = TargetModel.from_config(base_cfg), load_target(out, base_cfg)

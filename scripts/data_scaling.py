@@ -57,19 +57,24 @@ def tokens_read(cfg: Any, train_set, step: int, world: int) -> tuple[int, int]:
     return tokens, loss_tokens
 
 
-def run_world(run: Path, train_set) -> int:
-    """The run's process count, from the sharding line its training log starts with; refuses a run that trained on
-    other samples than the recipe's data gives here (its own generated samples, say), whose counts would be wrong."""
+def run_world(run: Path, cfg: Any, train_set) -> int:
+    """The run's process count, from the sharding line its training log starts with; refuses a run whose first epoch
+    covered other samples than this recipe's data gives here (its own generated samples, say), whose counts would be
+    wrong. An epoch covers whole global batches, so a remainder smaller than one is left out on both sides."""
     log = run / "train_log.jsonl"
     if not log.exists():
         raise SystemExit(f"{run}: no training log (run the recipe first; its output_dir holds the snapshots)")
     first = json.loads(log.read_text().splitlines()[0])["sharding"]
-    if first["total_over_ranks"] != len(train_set):
+    world = first["world"]
+    per_epoch, _, _ = schedule(cfg.train, len(train_set), world)
+    expected = per_epoch * cfg.train.batch_size * world
+    if first["total_over_ranks"] != expected:
         raise SystemExit(
-            f"{run} trained on {first['total_over_ranks']} samples, the recipe's data gives {len(train_set)} here: "
-            "the tokens each snapshot read cannot be counted (were samples generated during the run?)"
+            f"{run} trained on {first['total_over_ranks']} samples per epoch, the recipe's data gives {expected} here "
+            f"({len(train_set)} samples, batch {cfg.train.batch_size} x {world} ranks): the tokens each snapshot read "
+            "cannot be counted (were samples generated during the run, or the batch size overridden?)"
         )
-    return first["world"]
+    return world
 
 
 def served(target: TargetModel, make: Callable[[], Proposer], tokenizer, prompts, max_new_tokens: int) -> dict:
@@ -187,7 +192,7 @@ def main(argv: list[str]) -> None:
     # has moved past the weights saved there, so the folder is measured only when its step is the last one.
     state = run / "state" / "step.json"
     last = json.loads(state.read_text())["step"] if state.exists() else None
-    world = run_world(run, train_set)
+    world = run_world(run, cfg, train_set)
     _, total_steps, _ = schedule(cfg.train, len(train_set), world)
     if (run / "model.safetensors").exists() and last == total_steps and f"step-{last}" not in done:
         todo.append((f"step-{last}", run, last))

@@ -81,5 +81,8 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     # its snapshots' token counts would be wrong
     fewer = tmp_path / "train10.jsonl"
     fewer.write_text("".join(data.read_text().splitlines(keepends=True)[:10]))
-    with pytest.raises(SystemExit, match="trained on 12 samples, the recipe's data gives 10"):
+    with pytest.raises(SystemExit, match="trained on 12 samples per epoch, the recipe's data gives 10 here"):
         measure(tmp_path / "other", f"data.path={fewer}")
+    # an epoch covers whole global batches: read with another batch size, the same data covers 10 of its 12 samples
+    with pytest.raises(SystemExit, match=r"gives 10 here \(12 samples, batch 5 x 1 ranks\)"):
+        measure(tmp_path / "batch5", "train.batch_size=5")

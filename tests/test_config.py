@@ -123,3 +123,31 @@ def test_every_deepspeed_config_is_launched_by_an_accelerate_config_and_builds(p
     assert all(plugin.deepspeed_config[k] == "auto" for k in ("train_micro_batch_size_per_gpu", "gradient_clipping"))
     if plugin.zero_stage == 3:
         assert plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+class _Built(Exception):
+    """Stops make_accelerator right after it has chosen the Accelerator's arguments."""
+
+
+@pytest.mark.parametrize(("device", "cpu"), [("cpu", True), ("auto", False)])
+def test_the_accelerator_follows_the_targets_device_where_cuda_exists(monkeypatch, tmp_path, device, cpu):
+    # with CUDA present, a target put on the CPU must keep the batches there too (the training loop moves every
+    # batch to the accelerator's device, and the target's embedding would then read CUDA indices)
+    import train.distributed as distributed
+    from models.target import TargetConfig
+    from train.config import TrainConfig
+
+    seen = {}
+
+    def record(**kwargs):
+        seen.update(kwargs)
+        raise _Built
+
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(distributed, "Accelerator", record)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    tc = TrainConfig(output_dir=str(tmp_path), mixed_precision="fp32")
+    with pytest.raises(_Built):
+        distributed.make_accelerator(tc, target=TargetConfig(name_or_path="t", device=device, dtype="float32"))
+    assert seen["cpu"] is cpu

@@ -38,13 +38,16 @@ def make_accelerator(
     it accelerate finds no device and reports one process. So without CUDA an engine run asks for the gloo backend
     explicitly, which gives the real world size; FSDP, which accelerate enables for accelerator devices only, is
     then switched on here for the CPU ranks (``_fsdp_on_cpu``)."""
-    engine, no_cuda = _engine_requested(), not torch.cuda.is_available()
+    engine = _engine_requested()
+    # A recipe that puts the target on the CPU trains there too, also where CUDA exists: the batches follow the
+    # accelerator's device, and the target's forward needs them on its own.
+    on_cpu = not torch.cuda.is_available() or (target is not None and target.device == "cpu")
     autocast, precision = mixed_precision(tc.mixed_precision, target)
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if find_unused else []
-    if engine and no_cuda:
+    if engine and on_cpu:
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     accelerator = Accelerator(
-        cpu=no_cuda and engine is None,
+        cpu=on_cpu and engine is None,
         mixed_precision=autocast,
         gradient_accumulation_steps=tc.grad_accum,
         log_with=tc.log_with,

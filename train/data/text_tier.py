@@ -81,7 +81,8 @@ def record(family: str, source: str, rid: str, user: str, assistant: str) -> dic
 
 # ------------------------------------------------------------------------------------------ fetching
 PYPI_SIMPLE = "https://pypi.org/simple/{name}/"
-"""The index's simple API (PEP 691 JSON): the one part of PyPI that package-registry proxies always serve."""
+"""The index's simple API (PEP 691 JSON), where pip itself looks; PyPI's JSON API (``/pypi/<name>/json``) is not
+served by every mirror of it (it was not on this project's machines)."""
 
 
 def download_sdist(spec: str, filename: str, download_dir: Path) -> Path:

@@ -45,6 +45,10 @@ def save_drafter(
     save_training_state(accelerator, out, {"step": done.steps}, tc.keep_states)
     gathered = full_state(accelerator, plan.model)  # ZeRO-3 / FSDP: the whole drafter, on the main process
     accelerator.end_training()
+    # The last collective is behind us: tear the process group down here rather than at interpreter exit, where
+    # a launched rank has aborted under ZeRO-3 with a C++ thread still joinable (docs/decisions.md, "A known flake").
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     if not accelerator.is_main_process:
         return None
     if joint:

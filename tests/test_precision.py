@@ -428,7 +428,7 @@ def test_the_policy_the_sizing_and_the_vanilla_check_time_through_one_function(t
     assert c.dtype == "float32"
 
     context = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    # the session-scoped tiny target is shared: an earlier test's timed loop choice must not leak into this one
+    # the tiny target fixture is shared across tests: an earlier test's timed loop choice must not leak into this one
     monkeypatch.setattr(tiny_target, "vanilla_loop", "plain")
     curve, vanilla = cost_curve.step_costs(tiny_target, context, (2, 4), reps=2, aux=False)
     assert curve == pytest.approx({2: 0.034, 4: 0.038}) and vanilla == pytest.approx(0.031)  # the plain loop's

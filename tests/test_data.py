@@ -21,6 +21,7 @@ from train.data.dataset import (  # noqa: E402
     build_dataset,
     collate,
     detect_format,
+    load_raw,
     packed_attention_mask,
 )
 from train.data.regenerate import regenerate_dataset  # noqa: E402
@@ -539,8 +540,58 @@ def test_regenerate_cli_sampling(tokenizers, tiny_target, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert len(rows) == counts["rows_written"] and all("messages" in r for r in rows)
 
+    # two files are one dataset: a seeded sample draws from both
+    more = write_jsonl(tmp_path / "more.jsonl", [as_sharegpt(c) for c in CONVERSATIONS])
+    out = str(tmp_path / "two.jsonl")
+    both = main(["--target", str(tmp_path / "target"), "--data", data, more, "--out", out, "--max-new-tokens", "2"])
+    assert both["rows_read"] == 2 * len(CONVERSATIONS)
+
     # nothing to regenerate: a clear error and a non-zero exit, not an empty file and exit 0
     empty = write_jsonl(tmp_path / "e.jsonl", [{"messages": [{"role": "system", "content": "only a system turn"}]}])
     with pytest.raises(SystemExit) as stop:
         main(["--target", str(tmp_path / "target"), "--data", empty, "--out", str(tmp_path / "e_out.jsonl")])
     assert "no rows" in str(stop.value)
+
+
+def test_regenerate_a_seeded_sample_keeps_each_rows_fields(tokenizers, tiny_target, tmp_path):
+    """``sample`` answers a seeded random choice of rows (the same rows for the same seed), and a row's family,
+    source and id travel to its output row, so a sampled tier can still be counted per family."""
+    tok = tokenizers["reference"]
+    rows = [
+        {"id": f"r{i}", "family": "qa" if i % 2 else "chat", "messages": [{"role": "user", "content": f"question {i}"}]}
+        for i in range(8)
+    ]
+    cfg = DataConfig(path=write_jsonl(tmp_path / "d.jsonl", rows), max_length=256)
+    kw = dict(max_new_tokens=3, batch_size=2, show_progress=False, sample=3)
+    counts = regenerate_dataset(tiny_target, tok, cfg, tmp_path / "a.jsonl", seed=1, **kw)
+    assert counts["rows_read"] == 3 and counts["rows_written"] == 3
+    out = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    by_id = {r["id"]: r for r in rows}
+    for row in out:
+        source = by_id[row["source_id"]]
+        assert row["family"] == source["family"] and row["messages"][0] == source["messages"][0]
+    assert len({r["source_id"] for r in out}) == 3
+    regenerate_dataset(tiny_target, tok, cfg, tmp_path / "b.jsonl", seed=1, **kw)
+    assert (tmp_path / "b.jsonl").read_text() == (tmp_path / "a.jsonl").read_text()
+    picks = set()
+    for seed in range(4):
+        regenerate_dataset(tiny_target, tok, cfg, tmp_path / f"s{seed}.jsonl", seed=seed, **kw)
+        lines = (tmp_path / f"s{seed}.jsonl").read_text().splitlines()
+        picks.add(tuple(json.loads(line)["source_id"] for line in lines))
+    assert len(picks) > 1  # the seed chooses the rows
+    with pytest.raises(ValueError, match="not both"):
+        regenerate_dataset(tiny_target, tok, cfg, tmp_path / "c.jsonl", limit=2, **kw)
+
+
+def test_extra_paths_read_two_tiers_as_one_dataset(tmp_path):
+    """``extra_paths`` appends more files or folders to ``path``; files keep the columns every file has (one tier's
+    rows carry a ``kind``, the other's a ``family``), and a missing extra path is an error, not a smaller dataset."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    write_jsonl(one / "a.jsonl", [{"kind": "qa", "messages": CONVERSATIONS[0]}] * 2)
+    write_jsonl(two / "b.jsonl", [{"family": "chat", "messages": CONVERSATIONS[1]}] * 3)
+    raw = load_raw(DataConfig(path=str(one), extra_paths=[str(two)]))
+    assert len(raw) == 5 and raw.column_names == ["messages"]
+    assert raw[4]["messages"] == CONVERSATIONS[1]
+    with pytest.raises(ValueError, match="no such file"):
+        load_raw(DataConfig(path=str(one), extra_paths=[str(tmp_path / "missing")]))

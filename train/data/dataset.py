@@ -32,7 +32,7 @@ same inputs reads the cache files instead of recomputing.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,9 @@ PACK_BATCH_SIZE = 1000
 class DataConfig:
     path: str
     """Local .json/.jsonl(.gz)/.parquet file, a directory of such files (one kind), or a hub dataset name."""
+    extra_paths: list[str] = field(default_factory=list)
+    """More local files or directories read after ``path``, as one dataset with it (e.g. two data tiers): every
+    file keeps the columns all files share."""
     split: str = "train"
     """Split to read (for local files it only names the split the files are loaded into)."""
     format: str = "auto"
@@ -101,8 +104,14 @@ def load_raw(cfg: DataConfig) -> datasets.Dataset:
     """The untokenised rows, through ``load_dataset`` (json/parquet builders for local paths)."""
     path = Path(cfg.path)
     if not path.exists():
+        if cfg.extra_paths:
+            raise ValueError(f"extra_paths needs local files: {cfg.path} is not one")
         return datasets.load_dataset(cfg.path, split=cfg.split, cache_dir=cfg.cache_dir)
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if _builder(p))
+    files = []
+    for p in [path, *map(Path, cfg.extra_paths)]:
+        if not p.exists():
+            raise ValueError(f"{p}: no such file or directory (data.extra_paths)")
+        files += [p] if p.is_file() else sorted(f for f in p.rglob("*") if _builder(f))
     builders = {_builder(p) for p in files}
     if len(builders) != 1 or None in builders:
         raise ValueError(f"{cfg.path}: expected .json/.jsonl(.gz) or .parquet files of one kind, found {files[:5]}")

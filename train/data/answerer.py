@@ -223,7 +223,10 @@ class _Answering:
         self.out_dir, self.rank = out_dir, rank
         self.counts: Counter = Counter(rows_written=0, answer_tokens=0, answers=0, hit_max_new_tokens=0)
         self.counts.update({f"{pre}{r}": 0 for pre in ("", "no_answer_") for r in ENDINGS})
-        self.shard_no = len(_shards(out_dir, rank))
+        # after the highest number on disk, not the count: an audit may have removed a shard (`train.data.audit`)
+        self.shard_no = 1 + max(
+            (int(p.name.split(".")[0].rsplit("-", 1)[1]) for p in _shards(out_dir, rank)), default=-1
+        )
         self.finished: list[dict] = []
         self.convs: dict[str, _Conversation] = {}
         self.queue: list[tuple[str, list[int]]] = []  # (job id, prompt): next turns first, then new jobs by length

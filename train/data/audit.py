@@ -1,0 +1,141 @@
+"""Audit of self-distilled data: is every answer the target's own greedy text?
+
+A teacher-forced pass over each conversation gives, for every answer token, how far its logit lies below the top
+one (the gap). A greedy answer's tokens are the argmax wherever it was written, so its gaps are zero up to the
+rounding of the dtype and batch it was written in; an answer corrupted while it was written (a cache that misaligned
+its rows, a dtype that broke down) leaves the argmax at the point of corruption and stays away from it. The last
+token of an answer is not checked: the template closes an answer cut at its token cap with an end token the target
+did not choose.
+
+    python -m train.data.audit --target smollm2-135m-instruct --data train/shipped_data/smollm2-135m-instruct-v2/answers \\
+        [--threshold 1.0] [--drop]
+
+``--drop`` rewrites each shard without its failing conversations (atomically; their ids and gaps go to the report),
+so that the build that wrote them answers them again on its next run (it answers every job no shard holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from train.data.dataset import resolve_span_method, tokenize_conversation
+
+THRESHOLD = 1.0
+"""Logit gap (top logit minus the token's) above which a token is not the target's greedy choice. Audited in bf16,
+SmolLM2's own greedy answers (written in fp32 or bf16, at batch 48) showed gaps of at most 0.25; answers a misaligned
+cache corrupted showed 4.4 to 30 (`docs/decisions.md`, "A join misaligned the target's cache")."""
+
+
+def answer_positions(loss_mask: list[int]) -> list[int]:
+    """Positions p whose next token p + 1 is an answer token, the last token of each answer left out."""
+    out = []
+    for i in range(1, len(loss_mask)):
+        if loss_mask[i] and i + 1 < len(loss_mask) and loss_mask[i + 1]:
+            out.append(i - 1)
+    return out
+
+
+@torch.no_grad()
+def token_gaps(model, ids: list[int], positions: list[int]) -> torch.Tensor:
+    """Gap (top logit minus the next token's) at each of ``positions`` of one teacher-forced sequence."""
+    x = torch.tensor([ids])
+    hidden = model.model(input_ids=x).last_hidden_state[0, positions]
+    logits = model.lm_head(hidden).float()
+    nxt = torch.tensor([ids[p + 1] for p in positions])
+    return logits.max(-1).values - logits.gather(1, nxt[:, None])[:, 0]
+
+
+def audit_row(model, tokenizer, row: dict, span_method: str, threshold: float) -> dict:
+    """The row's id, answer tokens checked, the largest gap and the first answer token above ``threshold``."""
+    ids, mask = tokenize_conversation(tokenizer, row["messages"], span_method)
+    positions = answer_positions(mask)
+    gaps = token_gaps(model, ids, positions) if positions else torch.zeros(0)
+    above = (gaps > threshold).nonzero()
+    return {
+        "id": row.get("id"),
+        "checked": len(positions),
+        "max_gap": round(float(gaps.max()), 3) if len(gaps) else 0.0,
+        "above": int((gaps > threshold).sum()),
+        "first_above": int(above[0, 0]) if len(above) else None,
+    }
+
+
+def shard_files(paths: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise FileNotFoundError(p)
+        files += [p] if p.is_file() else sorted(p.rglob("*.jsonl.gz"))
+    return files
+
+
+def read_rows(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Atomically: the new file replaces the old one only once it is whole; a shard left with no rows is removed
+    (the report keeps its ids; the answerer numbers new shards after the highest one on disk)."""
+    if not rows:
+        path.unlink()
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    with gzip.open(tmp, "wt") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="HF checkpoint directory or reference target name")
+    ap.add_argument("--data", required=True, nargs="+", help="shard files (.jsonl.gz) or folders of them")
+    ap.add_argument("--threshold", type=float, default=THRESHOLD)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument(
+        "--report", type=Path, help="one json line per conversation (default: <first data path>.audit.jsonl)"
+    )
+    ap.add_argument("--drop", action="store_true", help="rewrite the shards without the conversations that fail")
+    args = ap.parse_args(argv)
+
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from models.reference import resolve_target
+
+    path = resolve_target(args.target)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    span_method = resolve_span_method(tokenizer)
+    files = shard_files(args.data)
+    report = args.report or Path(str(args.data[0]).rstrip("/") + ".audit.jsonl")
+    failed: dict[Path, set] = {}
+    total = bad = 0
+    with report.open("w") as out:
+        for f in tqdm(files, desc="audit: shards"):
+            for i, row in enumerate(read_rows(f)):
+                result = {"file": f.name, "row": i} | audit_row(model, tokenizer, row, span_method, args.threshold)
+                out.write(json.dumps(result) + "\n")
+                total += 1
+                if result["above"]:
+                    bad += 1
+                    failed.setdefault(f, set()).add(i)
+    summary = {"conversations": total, "failing": bad, "threshold": args.threshold, "report": str(report)}
+    if args.drop:
+        for f, rows in failed.items():
+            write_rows(f, [r for i, r in enumerate(read_rows(f)) if i not in rows])
+        summary["dropped"] = bad
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    result = main()
+    sys.exit(1 if result["failing"] and "dropped" not in result else 0)  # failures left in place fail the command

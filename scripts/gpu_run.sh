@@ -5,7 +5,8 @@
 #      seeded samples of translation and of the other five families), while EAGLE-3 reads the text tier once more
 #      (recipes/smollm2-135m/eagle3-gpu2-text.yaml) and the gpu test tier runs;
 #   B. on the target-written tier plus what phase A regenerated: EAGLE-3 from phase A's weights
-#      (eagle3-gpu2-written.yaml), Medusa-1 (medusa1-gpu.yaml) and frozen MTP (mtp-gpu.yaml).
+#      (eagle3-gpu2-written.yaml), Medusa-1 (medusa1-gpu.yaml) and frozen MTP (mtp-gpu.yaml), while
+#      `drafters audit-data` checks that the regenerated answers are the target's greedy text.
 # A regeneration stopped by its time limit keeps every finished conversation (its shards); a training stopped by
 # its limit leaves its newest snapshot, which is what comes back then. scripts/gpu_check.py (kernel timings) runs
 # last, alone, when time is left. Everything lands in $RES: the checkpoints in bf16 with their configs and logs, the
@@ -146,6 +147,13 @@ JOBS+=($!)
 stage mtp $B python3 train/mtp.py --config recipes/smollm2-135m/mtp-gpu.yaml \
     "$EXTRA_DATA" train.output_dir=/tmp/mtp train.save_every=0 $TRAIN &
 JOBS+=($!)
+# beside them, the check that the regenerated answers are the target's greedy text (the report comes back; nothing is
+# dropped here: the phase already reads them, and a failing conversation is dropped when the data is shipped)
+if [ -n "$WRITTEN" ]; then
+    stage audit-regen $B python3 -m train.data.audit --target smollm2-135m-instruct --data ${WRITTEN//,/ } \
+        --report $REGEN/audit.jsonl &
+    JOBS+=($!)
+fi
 wait "${JOBS[@]}"
 [ "${SMOKE:-0}" = 1 ] || stage gpu-check 90 python3 scripts/gpu_check.py --out "$RES/gpu_check.md"
 

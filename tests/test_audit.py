@@ -27,6 +27,9 @@ class Agreeable:
     def eval(self) -> Agreeable:
         return self
 
+    def to(self, device: str) -> Agreeable:
+        return self
+
     def model(self, input_ids: torch.Tensor) -> SimpleNamespace:
         self._ids = input_ids[0]
         return SimpleNamespace(last_hidden_state=torch.arange(len(self._ids), dtype=torch.float)[None, :, None])

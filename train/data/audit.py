@@ -42,20 +42,20 @@ def answer_positions(loss_mask: list[int]) -> list[int]:
 
 
 @torch.no_grad()
-def token_gaps(model, ids: list[int], positions: list[int]) -> torch.Tensor:
+def token_gaps(model, ids: list[int], positions: list[int], device: str = "cpu") -> torch.Tensor:
     """Gap (top logit minus the next token's) at each of ``positions`` of one teacher-forced sequence."""
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=device)
     hidden = model.model(input_ids=x).last_hidden_state[0, positions]
-    logits = model.lm_head(hidden).float()
+    logits = model.lm_head(hidden).float().cpu()
     nxt = torch.tensor([ids[p + 1] for p in positions])
     return logits.max(-1).values - logits.gather(1, nxt[:, None])[:, 0]
 
 
-def audit_row(model, tokenizer, row: dict, span_method: str, threshold: float) -> dict:
+def audit_row(model, tokenizer, row: dict, span_method: str, threshold: float, device: str = "cpu") -> dict:
     """The row's id, answer tokens checked, the largest gap and the first answer token above ``threshold``."""
     ids, mask = tokenize_conversation(tokenizer, row["messages"], span_method)
     positions = answer_positions(mask)
-    gaps = token_gaps(model, ids, positions) if positions else torch.zeros(0)
+    gaps = token_gaps(model, ids, positions, device) if positions else torch.zeros(0)
     above = (gaps > threshold).nonzero()
     return {
         "id": row.get("id"),
@@ -71,7 +71,7 @@ def shard_files(paths: list[str]) -> list[Path]:
     for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(p)
-        files += [p] if p.is_file() else sorted(p.rglob("*.jsonl.gz"))
+        files += [p] if p.is_file() else sorted(p.rglob("*.jsonl.gz"))  # a folder: the answerer's shards
     return files
 
 
@@ -87,7 +87,7 @@ def write_rows(path: Path, rows: list[dict]) -> None:
         path.unlink()
         return
     tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt") as f:
+    with gzip.open(tmp, "wt") if path.suffix == ".gz" else tmp.open("w") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     tmp.replace(path)
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     path = resolve_target(args.target)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device).eval()
     span_method = resolve_span_method(tokenizer)
     files = shard_files(args.data)
     report = args.report or Path(str(args.data[0]).rstrip("/") + ".audit.jsonl")
@@ -121,7 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
     with report.open("w") as out:
         for f in tqdm(files, desc="audit: shards"):
             for i, row in enumerate(read_rows(f)):
-                result = {"file": f.name, "row": i} | audit_row(model, tokenizer, row, span_method, args.threshold)
+                result = {"file": f.name, "row": i} | audit_row(
+                    model, tokenizer, row, span_method, args.threshold, device
+                )
                 out.write(json.dumps(result) + "\n")
                 total += 1
                 if result["above"]:

@@ -10,8 +10,9 @@ did not choose.
     python -m train.data.audit --target smollm2-135m-instruct --data train/shipped_data/smollm2-135m-instruct-v2/answers \\
         [--threshold 1.0] [--drop]
 
-``--drop`` rewrites each shard without its failing conversations (atomically; their ids and gaps go to the report),
-so that the build that wrote them answers them again on its next run (it answers every job no shard holds).
+``--drop`` rewrites each shard without its failing conversations as soon as it is audited (atomically; their ids
+and gaps go to the report), so that the build that wrote them answers them again on its next run (it answers every
+job no shard holds). The report ends each file with a closing line; a rerun skips the files it closed.
 """
 
 from __future__ import annotations
@@ -117,23 +118,31 @@ def main(argv: list[str] | None = None) -> dict:
     span_method = resolve_span_method(tokenizer)
     files = shard_files(args.data)
     report = args.report or Path(str(args.data[0]).rstrip("/") + ".audit.jsonl")
-    failed: dict[Path, set] = {}
-    total = bad = 0
-    with report.open("w") as out:
-        for f in tqdm(files, desc="audit: shards"):
-            for i, row in enumerate(read_rows(f)):
-                result = {"file": f.name, "row": i} | audit_row(
+    # resumable: a file whose closing line is in the report was audited (and, with --drop, rewritten) already
+    lines = [json.loads(line) for line in report.open()] if report.exists() else []
+    done = {r["file"]: r for r in lines if "audited" in r}
+    total = sum(r["audited"] for r in done.values())
+    bad = sum(r["failing"] for r in done.values())
+    with report.open("a") as out:
+        for f in tqdm([f for f in files if str(f) not in done], desc="audit: files"):
+            rows = read_rows(f)
+            failed = set()
+            for i, row in enumerate(rows):
+                result = {"file": str(f), "row": i} | audit_row(
                     model, tokenizer, row, span_method, args.threshold, device
                 )
                 out.write(json.dumps(result) + "\n")
-                total += 1
                 if result["above"]:
-                    bad += 1
-                    failed.setdefault(f, set()).add(i)
+                    failed.add(i)
+            if args.drop and failed:
+                write_rows(f, [r for i, r in enumerate(rows) if i not in failed])
+            # the file's closing line, written once it is audited (and rewritten): a rerun skips the file
+            out.write(json.dumps({"file": str(f), "audited": len(rows), "failing": len(failed), "dropped": args.drop}))
+            out.write("\n")
+            out.flush()
+            total, bad = total + len(rows), bad + len(failed)
     summary = {"conversations": total, "failing": bad, "threshold": args.threshold, "report": str(report)}
     if args.drop:
-        for f, rows in failed.items():
-            write_rows(f, [r for i, r in enumerate(read_rows(f)) if i not in rows])
         summary["dropped"] = bad
     print(json.dumps(summary))
     return summary

@@ -2,7 +2,8 @@
 # One GPU run, prepared to run once within a short time budget (docs/gpu_run.md says what each run measured).
 # Two phases, each of jobs that share the GPU at once (a 135M target leaves an H200 mostly idle, one job at a time):
 #   A. the target regenerates the text tier's assistant turns (scripts/regenerate.py: summarization and qa whole,
-#      seeded samples of translation and of the other five families), while EAGLE-3 reads the text tier once more
+#      seeded samples of translation and of the other five families) and the audit of the target-written tier is
+#      finished (`drafters audit-data --drop`), while EAGLE-3 reads the text tier once more
 #      (recipes/smollm2-135m/eagle3-gpu2-text.yaml) and the gpu test tier runs;
 #   B. on the target-written tier plus what phase A regenerated: EAGLE-3 from phase A's weights
 #      (eagle3-gpu2-written.yaml), Medusa-1 (medusa1-gpu.yaml) and frozen MTP (mtp-gpu.yaml), while
@@ -109,6 +110,12 @@ JOBS+=($!)
 regen sampled --data $TIER/chat.jsonl.gz $TIER/code.jsonl.gz $TIER/math_reasoning.jsonl.gz $TIER/mt_bench.jsonl.gz \
     $TIER/rag.jsonl.gz --sample $SAMPLED &
 JOBS+=($!)
+# the target-written tier phase B reads: its audit finished (a CPU began it; the report in the tier's folder resumes
+# it), every conversation that is not the target's greedy text dropped
+V2=train/shipped_data/smollm2-135m-instruct-v2
+stage audit-v2 $A python3 -m train.data.audit --target smollm2-135m-instruct --data $V2/answers $V2/answers_heldout \
+    $V2/answers_derived --report $V2/audit.jsonl --drop &
+JOBS+=($!)
 stage eagle3-text $A python3 train/eagle3.py --config recipes/smollm2-135m/eagle3-gpu2-text.yaml \
     train.output_dir=/tmp/e3-text train.save_every=0 $TRAIN &
 JOBS+=($!)
@@ -179,6 +186,11 @@ for name in ("e3-text", "e3-written", "medusa1", "mtp"):
     print(f"{name}: {src} packed")
 if regen.exists():
     shutil.copytree(regen, res / "regen")
+v2 = Path("train/shipped_data/smollm2-135m-instruct-v2")  # the audited tier: its rewritten shards and report
+for part in ("answers", "answers_heldout", "answers_derived"):
+    shutil.copytree(v2 / part, res / "v2" / part)
+if (v2 / "audit.jsonl").exists():
+    shutil.copy(v2 / "audit.jsonl", res / "v2" / "audit.jsonl")
 PY
 
 tar cf - -C "$RES" . | split -b 15000000 - "$OUT/results.tar."

@@ -111,8 +111,14 @@ regen sampled --data $TIER/chat.jsonl.gz $TIER/code.jsonl.gz $TIER/math_reasonin
     $TIER/rag.jsonl.gz --sample $SAMPLED &
 JOBS+=($!)
 # the target-written tier phase B reads: its audit finished (a CPU began it; the report in the tier's folder resumes
-# it), every conversation that is not the target's greedy text dropped
+# it), every conversation that is not the target's greedy text dropped (the smoke test audits a copy of one shard)
 V2=train/shipped_data/smollm2-135m-instruct-v2
+if [ "${SMOKE:-0}" = 1 ]; then
+    rm -rf /tmp/v2-smoke && for part in answers answers_heldout answers_derived; do
+        mkdir -p /tmp/v2-smoke/$part && cp "$(ls $V2/$part/*.jsonl.gz | head -1)" /tmp/v2-smoke/$part/
+    done
+    V2=/tmp/v2-smoke
+fi
 stage audit-v2 $A python3 -m train.data.audit --target smollm2-135m-instruct --data $V2/answers $V2/answers_heldout \
     $V2/answers_derived --report $V2/audit.jsonl --drop &
 JOBS+=($!)
@@ -165,7 +171,7 @@ wait "${JOBS[@]}"
 [ "${SMOKE:-0}" = 1 ] || stage gpu-check 90 python3 scripts/gpu_check.py --out "$RES/gpu_check.md"
 
 # bf16 copies of each run's newest weights with the small files beside them; the regenerated conversations
-python3 - "$RES" "$REGEN" <<'PY'
+python3 - "$RES" "$REGEN" "$V2" <<'PY'
 import shutil, sys
 from pathlib import Path
 from scripts.ship_drafter import cast_file
@@ -186,7 +192,7 @@ for name in ("e3-text", "e3-written", "medusa1", "mtp"):
     print(f"{name}: {src} packed")
 if regen.exists():
     shutil.copytree(regen, res / "regen")
-v2 = Path("train/shipped_data/smollm2-135m-instruct-v2")  # the audited tier: its rewritten shards and report
+v2 = Path(sys.argv[3])  # the audited tier: its rewritten shards and report
 for part in ("answers", "answers_heldout", "answers_derived"):
     shutil.copytree(v2 / part, res / "v2" / part)
 if (v2 / "audit.jsonl").exists():

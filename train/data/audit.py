@@ -5,7 +5,8 @@ one (the gap). A greedy answer's tokens are the argmax wherever it was written, 
 rounding of the dtype and batch it was written in; an answer corrupted while it was written (a cache that misaligned
 its rows, a dtype that broke down) leaves the argmax at the point of corruption and stays away from it. The last
 token of an answer is not checked: the template closes an answer cut at its token cap with an end token the target
-did not choose.
+did not choose. An answer cut mid-word can also re-tokenize differently at its last word (seen on an 8-token cap;
+none of the target-written tier's audited conversations failed that way).
 
     python -m train.data.audit --target smollm2-135m-instruct --data train/shipped_data/smollm2-135m-instruct-v2/answers \\
         [--threshold 1.0] [--drop]

@@ -110,8 +110,9 @@ JOBS+=($!)
 regen sampled --data $TIER/chat.jsonl.gz $TIER/code.jsonl.gz $TIER/math_reasoning.jsonl.gz $TIER/mt_bench.jsonl.gz \
     $TIER/rag.jsonl.gz --sample $SAMPLED &
 JOBS+=($!)
-# the target-written tier phase B reads: its audit finished (a CPU began it; the report in the tier's folder resumes
-# it), every conversation that is not the target's greedy text dropped (the smoke test audits a copy of one shard)
+# the target-written tier phase B reads, audited: the audit resumes from the report in the tier's folder (files closed
+# there are not read again), so only what is not yet audited is checked and, if not the target's greedy text,
+# dropped (the smoke test audits a copy of one shard per folder)
 V2=train/shipped_data/smollm2-135m-instruct-v2
 if [ "${SMOKE:-0}" = 1 ]; then
     rm -rf /tmp/v2-smoke && for part in answers answers_heldout answers_derived; do

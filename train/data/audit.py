@@ -31,7 +31,7 @@ from train.data.dataset import resolve_span_method, tokenize_conversation
 THRESHOLD = 1.0
 """Logit gap (top logit minus the token's) above which a token is not the target's greedy choice. Audited in bf16,
 SmolLM2's greedy answers written in fp32 or bf16 at batch 48 showed gaps of at most 0.875; answers a misaligned cache
-had corrupted showed 1.5 to 30, most above 8, and kept their gaps when audited in fp32 (`docs/decisions.md`, "A join
+had corrupted showed 1.06 to 30, most above 8, and kept their gaps when audited in fp32 (`docs/decisions.md`, "A join
 misaligned the target's cache"). A conversation dropped wrongly costs only its answering again."""
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from train.data.dataset import resolve_span_method, tokenize_conversation
+from train.data.files import write_jsonl_atomic, write_jsonl_gz
 
 THRESHOLD = 1.0
 """Logit gap (top logit minus the token's) above which a token is not the target's greedy choice. Audited in bf16,
@@ -59,13 +60,13 @@ def audit_row(model, tokenizer, row: dict, span_method: str, threshold: float, d
     ids, mask = tokenize_conversation(tokenizer, row["messages"], span_method)
     positions = answer_positions(mask)
     gaps = token_gaps(model, ids, positions, device) if positions else torch.zeros(0)
-    above = (gaps > threshold).nonzero()
+    above = (gaps > threshold).nonzero()[:, 0].tolist()
     return {
         "id": row.get("id"),
         "checked": len(positions),
         "max_gap": round(float(gaps.max()), 3) if len(gaps) else 0.0,
-        "above": int((gaps > threshold).sum()),
-        "first_above": int(above[0, 0]) if len(above) else None,
+        "above": len(above),
+        "first_above": above[0] if above else None,
     }
 
 
@@ -84,16 +85,14 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
-    """Atomically: the new file replaces the old one only once it is whole; a shard left with no rows is removed
-    (the report keeps its ids; the answerer numbers new shards after the highest one on disk)."""
+    """Atomically, as the answerer writes its shards (deterministic gzip for ``.gz``); a shard left with no rows is
+    removed (the report keeps its ids; the answerer numbers new shards after the highest one on disk)."""
     if not rows:
         path.unlink()
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt") if path.suffix == ".gz" else tmp.open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    elif path.suffix == ".gz":
+        write_jsonl_gz(rows, path)
+    else:
+        write_jsonl_atomic(rows, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

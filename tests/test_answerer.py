@@ -11,8 +11,9 @@ from infer.generate import generate_vanilla
 from infer.sampling import SamplingParams
 from models.target import TargetModel
 from tests.test_data import backend, tiny_target, tokenizers  # noqa: F401 (fixtures)
-from train.data.answerer import AnswerConfig, Job, answer, answer_stop_ids, read_shards, window_sorted
+from train.data.answerer import AnswerConfig, Job, answer, answer_stop_ids, drop_stale, read_shards, window_sorted
 from train.data.chat_render import render
+from train.data.files import read_shard, rewrite_shard
 
 QUESTIONS = ["hello there", "what is it", "a much longer question about many things", "why", "tell me more please"]
 
@@ -359,6 +360,39 @@ def test_the_target_written_build_answers_through_the_answerer_and_resumes(
     again = target_written.build(target, tok, cfg, tmp_path / "d", log=lambda m: None)
     assert again["this_run"]["first_pass"]["answers"] == again["this_run"]["derived"]["answers"] == 0
     assert again["conversations"] == 16
+    # the pass-1 answer the derived task quotes is now another text on disk (an audit removed it and it was answered
+    # again): the next build drops the derived row that quoted the old text and answers the task's new prompt
+    quoted = rows[0]["id"]
+    (shard,) = [
+        p for p in (tmp_path / "d" / "answers").glob("*.jsonl.gz") if quoted in {r["id"] for r in read_shard(p)}
+    ]
+    edited = [r | {"messages": [r["messages"][0], {"role": "assistant", "content": "new text"}]} if r["id"] == quoted
+              else r for r in read_shard(shard)]  # fmt: skip
+    rewrite_shard(shard, edited)
+    third = target_written.build(target, tok, cfg, tmp_path / "d", log=lambda m: None)
+    assert third["this_run"]["first_pass"]["answers"] == 0 and third["this_run"]["derived"]["answers"] == 1
+    derived = read_shards(tmp_path / "d" / "answers_derived")["rag-derived"]
+    assert derived["messages"][0]["content"] == "Document 1: new text" and third["conversations"] == 16
+
+
+def test_drop_stale_removes_exactly_the_rows_whose_prompts_changed(tmp_path):
+    def row(i, *turns):
+        msgs = [m for t in turns for m in ({"role": "user", "content": t}, {"role": "assistant", "content": "a"})]
+        return {"id": f"c{i}", "messages": msgs}
+
+    def job(i, *turns):
+        return Job(f"c{i}", [[{"role": "user", "content": t}] for t in turns])
+
+    out = tmp_path / "a"
+    out.mkdir()
+    rewrite_shard(out / "shard-r00-0000000.jsonl.gz", [row(0, "x", "y"), row(1, "x"), row(2, "old")])
+    rewrite_shard(out / "shard-r00-0000001.jsonl.gz", [row(3, "old", "y")])
+    rewrite_shard(out / "shard-r00-0000002.jsonl.gz", [row(4, "kept")])
+    jobs = [job(0, "x", "y"), job(1, "x", "y"), job(2, "new"), job(3, "new", "y")]  # c1 ended after its first turn
+    assert drop_stale(out, jobs, log=lambda m: None) == 2
+    assert set(read_shards(out)) == {"c0", "c1", "c4"}  # c4: no job names it, left alone
+    assert not (out / "shard-r00-0000001.jsonl.gz").exists()  # left empty: removed
+    assert drop_stale(out, jobs, log=lambda m: None) == 0
 
 
 def test_steered_requests_are_sampled_continuously_filtered_and_resumed(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811

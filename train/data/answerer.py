@@ -45,6 +45,7 @@ from models.target import TargetModel
 from models.timing import gemm_gflops, gemm_seconds
 from models.tokenizer import stop_ids
 from train.data.chat_render import end_of_turn_token_ids, render
+from train.data.files import read_shard, rewrite_shard
 
 
 @dataclass
@@ -112,13 +113,33 @@ def rank_and_world() -> tuple[int, int]:
 
 def read_shards(out_dir: str | Path) -> dict[str, dict]:
     """Every row written so far under ``out_dir`` (all ranks), by job id."""
-    rows: dict[str, dict] = {}
+    return {row["id"]: row for shard in sorted(_shards(Path(out_dir))) for row in read_shard(shard)}
+
+
+def _user_turns(messages: list[dict]) -> list[str]:
+    return [m["content"] for m in messages if m["role"] == "user"]
+
+
+def drop_stale(out_dir: str | Path, jobs: list[Job], log: Callable[[str], None] = print) -> int:
+    """Remove from ``out_dir``'s shards every chat row whose user turns are not its job's (compared over the turns
+    the row holds). The answerer resumes by job id, so without this a prompt that changed since its row was written
+    keeps the old answer: a pass-2 task quotes a pass-1 answer, and that answer may have been written again (an
+    audit removed it). Run it on one process before `answer`; returns the number of rows removed."""
+    wanted = {j.id: _user_turns([m for seg in j.segments for m in seg]) for j in jobs if j.prompt_ids is None}
+    removed = 0
     for shard in sorted(_shards(Path(out_dir))):
-        text = gzip.decompress(shard.read_bytes()).decode("utf-8") if shard.suffix == ".gz" else shard.read_text()
-        for line in text.splitlines():
-            row = json.loads(line)  # shards are written whole (atomic rename): no torn lines
-            rows[row["id"]] = row
-    return rows
+        rows = read_shard(shard)
+        keep = []
+        for r in rows:
+            turns = _user_turns(r.get("messages", []))
+            if r["id"] not in wanted or turns == wanted[r["id"]][: len(turns)]:
+                keep.append(r)
+        if len(keep) < len(rows):
+            rewrite_shard(shard, keep)
+            removed += len(rows) - len(keep)
+    if removed:
+        log(f"{Path(out_dir).name}: {removed} rows dropped, their prompts changed since they were answered")
+    return removed
 
 
 def _shards(out_dir: Path, rank: int | None = None) -> list[Path]:

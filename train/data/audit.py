@@ -19,7 +19,6 @@ job no shard holds). The report ends each file with a closing line; a rerun skip
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from train.data.dataset import resolve_span_method, tokenize_conversation
-from train.data.files import write_jsonl_atomic, write_jsonl_gz
+from train.data.files import read_shard, rewrite_shard
 
 THRESHOLD = 1.0
 """Logit gap (top logit minus the token's) above which a token is not the target's greedy choice. Audited in bf16,
@@ -79,22 +78,6 @@ def shard_files(paths: list[str]) -> list[Path]:
     return files
 
 
-def read_rows(path: Path) -> list[dict]:
-    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write_rows(path: Path, rows: list[dict]) -> None:
-    """Atomically, as the answerer writes its shards (deterministic gzip for ``.gz``); a shard left with no rows is
-    removed (the report keeps its ids; the answerer numbers new shards after the highest one on disk)."""
-    if not rows:
-        path.unlink()
-    elif path.suffix == ".gz":
-        write_jsonl_gz(rows, path)
-    else:
-        write_jsonl_atomic(rows, path)
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="HF checkpoint directory or reference target name")
@@ -126,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     bad = sum(r["failing"] for r in done.values())
     with report.open("a") as out:
         for f in tqdm([f for f in files if str(f) not in done], desc="audit: files"):
-            rows = read_rows(f)
+            rows = read_shard(f)
             failed = set()
             for i, row in enumerate(rows):
                 result = {"file": str(f), "row": i} | audit_row(
@@ -136,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if result["above"]:
                     failed.add(i)
             if args.drop and failed:
-                write_rows(f, [r for i, r in enumerate(rows) if i not in failed])
+                rewrite_shard(f, [r for i, r in enumerate(rows) if i not in failed])
             # the file's closing line, written once it is audited (and rewritten): a rerun skips the file
             out.write(json.dumps({"file": str(f), "audited": len(rows), "failing": len(failed), "dropped": args.drop}))
             out.write("\n")

@@ -26,6 +26,23 @@ def write_jsonl_gz(rows: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def read_shard(path: Path) -> list[dict]:
+    """Every row of a whole shard file (``.jsonl.gz`` or ``.jsonl``, written atomically: no torn lines)."""
+    with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def rewrite_shard(path: Path, rows: list[dict]) -> None:
+    """Replace a shard's rows atomically, in its own format (deterministic gzip for ``.gz``); a shard left with no
+    rows is removed (the answerer numbers new shards after the highest one on disk, so none is ever overwritten)."""
+    if not rows:
+        path.unlink()
+    elif path.suffix == ".gz":
+        write_jsonl_gz(rows, path)
+    else:
+        write_jsonl_atomic(rows, path)
+
+
 def append_jsonl(path: Path, rows: list[dict]) -> None:
     """Append whole rows and flush them to disk: a crash loses at most the batch being generated."""
     with open(path, "a", encoding="utf-8") as f:

@@ -42,7 +42,7 @@ from infer.continuous import decode_continuous
 from infer.sampling import SamplingParams
 from infer.serving import prepare_target
 from models.target import TargetModel
-from train.data.answerer import AnswerConfig, Job, answer, rank_and_world, read_shards
+from train.data.answerer import AnswerConfig, Job, answer, drop_stale, rank_and_world, read_shards
 from train.data.chat_render import end_of_turn_token_ids, render
 from train.data.files import append_jsonl, read_jsonl, write_jsonl_gz
 from train.data.tasks import (
@@ -269,11 +269,21 @@ def split_heldout(requests: list[dict], heldout: int) -> tuple[list[dict], list[
     return requests[heldout:], requests[:heldout]
 
 
+def main_process_first() -> contextlib.AbstractContextManager:
+    """The main process runs the block first, the others once it is done (a no-op on one process)."""
+    if rank_and_world()[1] == 1:
+        return contextlib.nullcontext()
+    from accelerate import PartialState
+
+    return PartialState().main_process_first()
+
+
 def answer_conversations(
     target: TargetModel, tokenizer, convs: list[dict], cfg: BuildConfig, out: Path, log=print
 ) -> dict:
     """Answer every user turn of every conversation with the target (`train.data.answerer`: batched, length-bucketed,
-    one shard per finished batch under ``out``, resumable, ranks sharing the work).
+    one shard per finished batch under ``out``, resumable, ranks sharing the work). A row on disk whose prompt is no
+    longer its conversation's is dropped first and answered again (`drop_stale`).
 
     Row format: ``{"id", "kind", "messages": [...]}`` (roles user/assistant; the template adds its system turn).
     A conversation whose first answer is empty is skipped and counted; one whose second answer is empty keeps its
@@ -286,6 +296,10 @@ def answer_conversations(
         )
         for c in convs
     ]
+    rank, _ = rank_and_world()
+    with main_process_first():  # the other ranks read the shards only once they are rewritten
+        if rank == 0:
+            drop_stale(out, jobs, log)
     settings = AnswerConfig(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.answer_temperature, batch_size=cfg.batch_size, seed=cfg.seed
     )
@@ -354,11 +368,11 @@ def build(target: TargetModel, tokenizer, cfg: BuildConfig, out_dir: Path, log=p
     t0 = time.time()
     _, world = rank_and_world()
     state = None
-    if world > 1:  # the main process writes the requests; the others then read the finished files
+    if world > 1:
         from accelerate import PartialState
 
         state = PartialState()
-    with state.main_process_first() if state is not None else contextlib.nullcontext():
+    with main_process_first():  # the main process writes the requests; the others then read the finished files
         requests = task_requests(target, tokenizer, cfg, out_dir, log)
     heldout = requests["heldout"]
     convs = add_follow_ups(requests["train"], cfg.multi_turn, cfg.seed)

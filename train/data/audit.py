@@ -39,6 +39,7 @@ SmolLM2's greedy answers written in fp32 or bf16 at batch 48 show gaps of at mos
 split is replayed; answers a misaligned cache had corrupted show gaps up to 30, most above 8 (`docs/decisions.md`,
 "A join misaligned the target's cache"). A conversation dropped wrongly costs only its answering again."""
 
+
 def answer_positions(loss_mask: list[int]) -> list[int]:
     """Positions p whose next token p + 1 is an answer token, the last token of each answer left out."""
     out = []
@@ -107,7 +108,7 @@ def audit_row(model, tokenizer, row: dict, span_method: str, threshold: float, d
     times the target's own split of the text was replayed (`resplit`)."""
     ids, mask = tokenize_conversation(tokenizer, row["messages"], span_method)
     gaps: list[float] = []  # of the checked positions, in order
-    resplits, start = 0, 0
+    resplits, start, failed = 0, 0, False
     while True:
         positions = [p for p in answer_positions(mask) if p >= start]
         logits = token_logits(model, ids, positions, device) if positions else torch.zeros(0, 1)
@@ -115,13 +116,14 @@ def audit_row(model, tokenizer, row: dict, span_method: str, threshold: float, d
         nxt = torch.tensor([ids[p + 1] for p in positions], dtype=torch.long)
         row_gaps = (top - logits.gather(1, nxt[:, None])[:, 0]).tolist() if positions else []
         for k, gap in enumerate(row_gaps):
-            j, split = (
-                _resplit_behind(tokenizer, ids, mask, positions, logits, k, threshold) if gap > threshold else (k, None)
-            )
+            if gap <= threshold or failed:  # past a failure no replay changes the verdict: the rest is only counted
+                continue
+            j, split = _resplit_behind(tokenizer, ids, mask, positions, logits, k, threshold)
             if split is not None and resplits < RESPLITS:
                 (ids, mask), resplits, start = split, resplits + 1, positions[j]
                 gaps += row_gaps[:j]
                 break
+            failed = True
         else:
             gaps += row_gaps
             break

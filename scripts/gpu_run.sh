@@ -143,8 +143,7 @@ for name in summarization-qa translation sampled; do
         [ -e "$p" ] && WRITTEN="$WRITTEN${WRITTEN:+,}$p" && break
     done
 done
-EXTRA_DATA="data.extra_paths=[$WRITTEN]"
-[ -z "$WRITTEN" ] && EXTRA_DATA="data.extra_paths=[]"
+EXTRA_DATA="data.extra_paths=[train/shipped_data/smollm2-135m-instruct-v2/answers_derived${WRITTEN:+,}$WRITTEN]"
 FIRST=$(newest /tmp/e3-text)
 echo "=== phase B: EAGLE-3 starts from ${FIRST:-nothing}; regenerated data: ${WRITTEN:-none}"
 

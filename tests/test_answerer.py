@@ -385,12 +385,14 @@ def test_drop_stale_removes_exactly_the_rows_whose_prompts_changed(tmp_path):
 
     out = tmp_path / "a"
     out.mkdir()
-    rewrite_shard(out / "shard-r00-0000000.jsonl.gz", [row(0, "x", "y"), row(1, "x"), row(2, "old")])
+    rewrite_shard(
+        out / "shard-r00-0000000.jsonl.gz", [row(0, "x", "y"), row(1, "x") | {"ended": "empty_answer"}, row(2, "old")]
+    )
     rewrite_shard(out / "shard-r00-0000001.jsonl.gz", [row(3, "old", "y")])
-    rewrite_shard(out / "shard-r00-0000002.jsonl.gz", [row(4, "kept")])
-    jobs = [job(0, "x", "y"), job(1, "x", "y"), job(2, "new"), job(3, "new", "y")]  # c1 ended after its first turn
-    assert drop_stale(out, jobs, log=lambda m: None) == 2
-    assert set(read_shards(out)) == {"c0", "c1", "c4"}  # c4: no job names it, left alone
+    rewrite_shard(out / "shard-r00-0000002.jsonl.gz", [row(4, "kept"), row(5, "x")])
+    jobs = [job(0, "x", "y"), job(1, "x", "y"), job(2, "new"), job(3, "new", "y"), job(5, "x", "a follow-up added")]
+    assert drop_stale(out, jobs, log=lambda m: None) == 3  # c2, c3: another prompt; c5: a turn it never answered
+    assert set(read_shards(out)) == {"c0", "c1", "c4"}  # c1 ended early; c4: no job names it, left alone
     assert not (out / "shard-r00-0000001.jsonl.gz").exists()  # left empty: removed
     assert drop_stale(out, jobs, log=lambda m: None) == 0
 

@@ -121,8 +121,8 @@ def _user_turns(messages: list[dict]) -> list[str]:
 
 
 def drop_stale(out_dir: str | Path, jobs: list[Job], log: Callable[[str], None] = print) -> int:
-    """Remove from ``out_dir``'s shards every chat row whose user turns are not its job's (compared over the turns
-    the row holds). The answerer resumes by job id, so without this a prompt that changed since its row was written
+    """Remove from ``out_dir``'s shards every chat row whose user turns are not its job's (a row that ended early:
+    the turns it holds). The answerer resumes by job id, so without this a prompt that changed since its row was written
     keeps the old answer: a pass-2 task quotes a pass-1 answer, and that answer may have been written again (an
     audit removed it). Run it on one process before `answer`; returns the number of rows removed."""
     wanted = {j.id: _user_turns([m for seg in j.segments for m in seg]) for j in jobs if j.prompt_ids is None}
@@ -131,8 +131,9 @@ def drop_stale(out_dir: str | Path, jobs: list[Job], log: Callable[[str], None] 
         rows = read_shard(shard)
         keep = []
         for r in rows:
-            turns = _user_turns(r.get("messages", []))
-            if r["id"] not in wanted or turns == wanted[r["id"]][: len(turns)]:
+            turns, job = _user_turns(r.get("messages", [])), wanted.get(r["id"])
+            # a row holds every turn of its job, or fewer when its conversation ended early (``ended`` says why)
+            if job is None or turns == job or ("ended" in r and turns == job[: len(turns)]):
                 keep.append(r)
         if len(keep) < len(rows):
             rewrite_shard(shard, keep)

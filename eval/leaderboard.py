@@ -23,6 +23,7 @@ against prompt length. This module runs the cells and gathers the board; `eval.l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -182,9 +183,28 @@ def report_config(cfg: LeaderboardConfig, cell: Cell):
     )
 
 
+def weights_digest(folder: str) -> str:
+    """sha256 over a drafter folder's config.json and model.safetensors: a drafter trained again under the same path
+    is another drafter."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        path = Path(folder) / name
+        if path.exists():
+            with path.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
 def _fingerprint(cfg: LeaderboardConfig, cell: Cell) -> dict:
-    """What a finished cell was measured with: a cell is reused only when the same settings would run it again."""
-    return {"report": asdict(report_config(cfg, cell)), "drafters": cfg.drafters, "target": cfg.target}
+    """What a finished cell was measured with: a cell is reused only when the same settings and the same drafter
+    weights would run it again."""
+    return {
+        "report": asdict(report_config(cfg, cell)),
+        "drafters": cfg.drafters,
+        "drafter_weights": [weights_digest(d) for d in cfg.drafters],
+        "target": cfg.target,
+    }
 
 
 def same_settings(stored: dict, now: dict) -> bool:

@@ -210,6 +210,32 @@ def test_a_cell_from_another_kind_of_machine_is_measured_again_unless_reuse_is_a
     assert machines_words([{"cell": "a", "machine": "m"}, {"cell": "b", "machine": "m"}]) == "m"
 
 
+def test_a_drafter_trained_again_under_the_same_path_is_measured_again(tmp_path):
+    from eval.leaderboard import run_cells
+
+    here = {"device": "cpu", "name": "EPYC", "flags": ["avx2"], "threads": 2, "words": "EPYC (avx2), 2 threads"}
+    drafter = tmp_path / "models" / "d"
+    drafter.mkdir(parents=True)
+    (drafter / "config.json").write_text("{}")
+    (drafter / "model.safetensors").write_bytes(b"weights one")
+    cfg = LeaderboardConfig(
+        drafters=[str(drafter)], prompts_paths=["q/chat.jsonl"], categories=[], temperatures=[0.0], batch_sweep=[],
+        out=str(tmp_path / "board"),
+    )  # fmt: skip
+    measured = []
+
+    def run_cell(cell, folder):
+        measured.append(cell.key)
+        (folder / "report.json").write_text(json.dumps({"target": "t", "machine": here, "results": []}))
+
+    run_cells(cfg, run_cell, here=here)
+    run_cells(cfg, run_cell, here=here)
+    assert measured == ["chat__T0__bs1"]  # the same weights: reused
+    (drafter / "model.safetensors").write_bytes(b"weights two")
+    statuses = run_cells(cfg, run_cell, here=here)
+    assert measured == ["chat__T0__bs1"] * 2 and statuses[0]["status"] == "done"
+
+
 def test_a_report_setting_added_later_at_its_default_keeps_finished_cells():
     from eval.leaderboard import _fingerprint, same_settings
 

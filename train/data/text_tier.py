@@ -319,12 +319,17 @@ EVAL_RAG_QUESTIONS = (
 )
 
 
-def contaminated(candidates: list[str], training_texts: Iterator[str], n: int = CONTAMINATION_N) -> set[int]:
+def contaminated(
+    candidates: list[str],
+    training_texts: Iterator[str],
+    n: int = CONTAMINATION_N,
+    ignore: set[tuple[str, ...]] = frozenset(),
+) -> set[int]:
     """Indices of the candidate texts sharing an n-word run with any training text (the candidates' n-grams are
-    the small side, so the training texts are streamed once)."""
+    the small side, so the training texts are streamed once); runs in ``ignore`` do not count."""
     owner: dict[tuple[str, ...], set[int]] = {}
     for i, text in enumerate(candidates):
-        for gram in shingles(text, n):
+        for gram in shingles(text, n) - ignore:
             owner.setdefault(gram, set()).add(i)
     hit: set[int] = set()
     for text in training_texts:
@@ -391,9 +396,23 @@ def into_english(user: str) -> bool:
     return user.split("\n\n", 1)[0].endswith("into English:")
 
 
-def build_evaluation_file(out: Path, path: Path, training_files: list[Path], seed: int = 0) -> dict[str, int]:
+def spec_bench_turns(paths: list[Path]) -> Iterator[str]:
+    """Every turn of every question in these Spec-Bench-format files (question_id, category, turns)."""
+    for path in paths:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                yield from json.loads(line)["turns"]
+
+
+def build_evaluation_file(
+    out: Path, path: Path, training_files: list[Path], seed: int = 0, exclude: list[Path] | None = None
+) -> dict[str, int]:
     """A Spec-Bench-format file (question_id, category, turns) with EVAL_PER_FAMILY questions per family, none
-    sharing a 13-gram with any training file (every turn checked); returns the contaminated candidates dropped."""
+    sharing a 13-gram with any training file (every turn checked); returns the contaminated candidates dropped.
+
+    ``exclude``: evaluation files already written, whose questions this one must not repeat (a 13-gram shared with
+    any of their turns, or a turn equal to one of them, drops a candidate too), so a second file drawn with another
+    ``seed`` is new to everything that was measured or tuned on the first."""
     with gzip.open(out / "reserved.jsonl.gz", "rt", encoding="utf-8") as f:
         reserved = [json.loads(line) for line in f]
     with zipfile.ZipFile(out / "sources" / SOURCES["gsm8k"][1]) as z:
@@ -404,7 +423,16 @@ def build_evaluation_file(out: Path, path: Path, training_files: list[Path], see
         rng.shuffle(items)
         picked[family] = items[: 3 * EVAL_PER_FAMILY]  # spares for the ones the contamination check drops
     flat = [(f, turns) for f, items in picked.items() for turns in items]
-    hit = contaminated(["\n".join(t) for _, t in flat], conversation_texts(training_files))
+    texts = ["\n".join(t) for _, t in flat]
+    hit = contaminated(texts, conversation_texts(training_files))
+    # against earlier evaluation files the wording every file shares (the RAG instruction and its questions) is
+    # not a repeat: only the material is (a review, an article, a conversation, a math question)
+    used = list(spec_bench_turns(exclude or []))
+    wording = set().union(
+        *(shingles(EVAL_RAG.format(documents="", question=q), CONTAMINATION_N) for q in EVAL_RAG_QUESTIONS)
+    )
+    hit |= contaminated(texts, iter(used), ignore=wording)
+    hit |= {i for i, (_, turns) in enumerate(flat) if set(turns) & set(used)}  # a question under 13 words
     rows, dropped = [], Counter()
     for i, (family, turns) in enumerate(flat):
         if i in hit:
@@ -439,14 +467,32 @@ def main(argv: list[str] | None = None) -> None:
         help="also write a Spec-Bench-format evaluation file from the reserved split and GSM8K test, checked against "
         "every training file (the text tier and the shipped data) for 13-gram overlap",
     )
+    parser.add_argument("--eval-seed", type=int, default=0, help="which candidates the evaluation file draws")
+    parser.add_argument(
+        "--eval-exclude",
+        nargs="*",
+        default=[],
+        help="evaluation files whose questions the new one must not repeat (13-gram or equal turn)",
+    )
+    parser.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="write --eval-file from the tier already built in --out (its manifest.json), without building it again",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
-    manifest = build(out, Path(args.download_dir) if args.download_dir else out / "sources")
+    if args.eval_only:
+        if not args.eval_file or not (out / "manifest.json").is_file():
+            raise SystemExit(f"--eval-only needs --eval-file and a built tier in {out} (no manifest.json there)")
+        manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    else:
+        manifest = build(out, Path(args.download_dir) if args.download_dir else out / "sources")
     if args.eval_file:
         shipped = sorted(Path(__file__).resolve().parents[1].joinpath("shipped_data").rglob("*.jsonl*"))
         training = sorted((out / "train").glob("*.jsonl.gz")) + [p for p in shipped if "heldout" not in p.name]
-        dropped = build_evaluation_file(out, Path(args.eval_file), training)
-        print(f"wrote {args.eval_file}; contaminated candidates dropped: {dropped or 'none'}")
+        exclude = [Path(p) for p in args.eval_exclude]
+        dropped = build_evaluation_file(out, Path(args.eval_file), training, args.eval_seed, exclude)
+        print(f"wrote {args.eval_file}; contaminated or repeated candidates dropped: {dropped or 'none'}")
     for split, families in manifest["counts"].items():
         total = sum(v["conversations"] for v in families.values())
         print(

@@ -111,6 +111,9 @@ def draw(rows: list[dict], out: Path) -> None:
     import matplotlib.ticker
 
     curve = sorted((r for r in rows if r.get("tokens")), key=lambda r: r["tokens"])
+    if not curve:  # only --extra checkpoints so far (the run's first snapshot not yet written): no axis to draw on
+        print(f"{out / 'curve.png'} not drawn: no snapshot of the run measured yet")
+        return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     x = [r["tokens"] / 1e6 for r in curve]
     depth = max(len(r["heldout_alpha"]) for r in curve)

@@ -86,3 +86,12 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     # an epoch covers whole global batches: read with another batch size, the same data covers 10 of its 12 samples
     with pytest.raises(SystemExit, match=r"gives 10 here \(12 samples, batch 5 x 1 ranks\)"):
         measure(tmp_path / "batch5", "train.batch_size=5")
+
+
+def test_a_curve_with_only_extra_checkpoints_is_tabled_and_not_drawn(tmp_path):
+    row = {"name": "shipped", "path": "x", "step": None, "heldout_alpha": [0.6, 0.5], "served": {"tau": 1.6}}
+    data_scaling.draw([row], tmp_path)
+    assert not (tmp_path / "curve.png").exists()
+    with_step = {**row, "name": "step-10", "step": 10, "tokens": 1000}
+    data_scaling.draw([row, with_step], tmp_path)
+    assert (tmp_path / "curve.png").exists()

@@ -19,6 +19,15 @@ def sentence(rng: random.Random, words: int) -> str:
     return " ".join(f"w{rng.randrange(10**9)}" for _ in range(words)) + "."
 
 
+def single_turn(row_id: str, family: str, source: str, user: str, answer: str) -> dict:
+    return {
+        "id": row_id,
+        "family": family,
+        "source": source,
+        "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
+    }
+
+
 def reserved_rows(rng: random.Random) -> list[dict]:
     rows = []
     for i in range(GROUPS):
@@ -31,40 +40,12 @@ def reserved_rows(rng: random.Random) -> list[dict]:
                 "messages": [{"role": "user" if k % 2 == 0 else "assistant", "content": t} for k, t in enumerate(talk)],
             }
         )
-        rows.append(
-            {
-                "id": f"q{i}_0",
-                "family": "qa",
-                "source": "sharegpt",
-                "messages": [
-                    {"role": "user", "content": "What is " + sentence(rng, 10)},
-                    {"role": "assistant", "content": "x"},
-                ],
-            }
-        )
-        rows.append(
-            {
-                "id": f"s{i}",
-                "family": "summarization",
-                "source": "bigbench/xsum",
-                "messages": [
-                    {"role": "user", "content": "Summarize this article.\n\n" + sentence(rng, 60)},
-                    {"role": "assistant", "content": sentence(rng, 10)},
-                ],
-            }
-        )
+        rows.append(single_turn(f"q{i}_0", "qa", "sharegpt", "What is " + sentence(rng, 10), "x"))
+        article = "Summarize this article.\n\n" + sentence(rng, 60)
+        rows.append(single_turn(f"s{i}", "summarization", "bigbench/xsum", article, sentence(rng, 10)))
     for i in range(3 * GROUPS):  # a German review for each translation candidate, English sides for the RAG groups
-        rows.append(
-            {
-                "id": f"t{i}",
-                "family": "translation",
-                "source": "bigbench/multiemo/de",
-                "messages": [
-                    {"role": "user", "content": "Translate this review into English:\n\n" + sentence(rng, 40)},
-                    {"role": "assistant", "content": sentence(rng, 40)},
-                ],
-            }
-        )
+        review = "Translate this review into English:\n\n" + sentence(rng, 40)
+        rows.append(single_turn(f"t{i}", "translation", "bigbench/multiemo/de", review, sentence(rng, 40)))
     return rows
 
 

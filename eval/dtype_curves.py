@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from models.logits_to_keep import last_positions
 from models.precision import machine
 from models.reference import resolve_target
 from models.timing import best_of, gemm_gflops, gemm_seconds
@@ -31,7 +32,8 @@ def forward_ms(model, rows: list[int], prefix: int, reps: int) -> dict[int, floa
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.randint(vocab, (1, prefix), generator=g), cache=cache, use_cache=True, logits_to_keep=1)
+    ids = torch.randint(vocab, (1, prefix), generator=g)
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=last_positions(1, prefix))
     out = {}
     for m in rows:
         x = torch.randint(vocab, (1, m), generator=g)

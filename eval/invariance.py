@@ -35,6 +35,7 @@ from infer.proposers import PromptLookupProposer
 from infer.sampling import SamplingParams
 from infer.serving import prepare_target
 from infer.tree import chain
+from models.logits_to_keep import last_positions
 from models.target import DTYPES, TargetConfig, TargetModel
 from models.timing import Timing, timed
 
@@ -157,7 +158,8 @@ def logits_cell(target: TargetModel, context: int, trials: int = 4) -> tuple[flo
     for _ in range(trials):
         seq = torch.randint(0, target.vocab_size, (context + K,)).tolist()
         cache = DynamicCache()
-        target.model(input_ids=torch.tensor([seq[: context - 1]]), cache=cache, use_cache=True, logits_to_keep=1)
+        keep = last_positions(1, context - 1)
+        target.model(input_ids=torch.tensor([seq[: context - 1]]), cache=cache, use_cache=True, logits_to_keep=keep)
         alone = [
             target.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1]
             for t in seq[context - 1 :]
@@ -274,7 +276,8 @@ def forward_times(
     machine noise hits them alike; the caches are cut back after each call."""
     sizes = (1, K + 1, 8)
     cache = DynamicCache()
-    target.model(input_ids=torch.tensor([ids[:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
+    keep = last_positions(1, len(ids) - 1)
+    target.model(input_ids=torch.tensor([ids[:-1]]), cache=cache, use_cache=True, logits_to_keep=keep)
     state = DecodeState([ids], SamplingParams(), (), target.device)
     prefill(target, state)
     S = state.kv_valid.shape[1]

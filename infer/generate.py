@@ -31,6 +31,7 @@ from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams, sample_from_probs, target_probs, warp_logits
 from infer.stats import GenerationResult, GenerationStats
 from infer.tree import DraftTree
+from models.logits_to_keep import last_positions
 from models.target import TargetModel, TargetOutput
 from models.timing import clock
 
@@ -141,7 +142,10 @@ def _vanilla_single(target: TargetModel, prompt: list[int], params: SamplingPara
     model, cache = target.model, SlackCache()
     if len(prompt) > 1:  # logits of the prompt are never read (HF generate skips them too)
         model(
-            input_ids=torch.tensor([prompt[:-1]], device=target.device), cache=cache, use_cache=True, logits_to_keep=1
+            input_ids=torch.tensor([prompt[:-1]], device=target.device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=last_positions(1, len(prompt) - 1, target.device),
         )
     x = torch.tensor([[prompt[-1]]], device=target.device)
     stats.prefill_s = clock(target.device) - t0

@@ -41,6 +41,7 @@ from models.checkpoint import TargetInfo, read_weights, write_checkpoint
 from models.eagle3_config import METHOD, Eagle3Config, read_checkpoint_config
 from models.sizing import GB, DrafterSizes, RunSizes
 from models.target import TargetModel
+from models.ttt_attention import ttt_attention
 
 # --------------------------------------------------------------------------------------------------
 # Layers
@@ -114,10 +115,6 @@ class Eagle3Attention(nn.Module):
         k = self.k_proj(x).view(B, m, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, m, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, nkv, S, d] → [B, nh, S, d] (grouped-query attention)."""
-        return x.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
 
     def out(self, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, nh, m, d] → [B, m, H]."""
@@ -429,10 +426,12 @@ class Eagle3Drafter(nn.Module):
         allowed: torch.Tensor,
         ttt_steps: int,
         select: list[torch.Tensor] | None = None,
+        attention: str = "auto",
     ) -> list[torch.Tensor]:
         """Training-time test unroll (EAGLE-3 §3.3): ``ttt_steps`` logits tensors, [B, T, Vd] each, or [N_i, Vd] at
         the positions ``select[i]`` ([B, T] bool) picks: the head and its softmax are most of a training step, and
-        the loss reads the trained positions only (`train.losses.ttt_targets`).
+        the loss reads the trained positions only (`train.losses.ttt_targets`). ``attention``: how the unroll's
+        attention is computed (`models.ttt_attention.IMPLEMENTATIONS`; the results agree).
 
         This is ``forward`` so that DDP (accelerate's prepare) sees the training computation.
 
@@ -440,14 +439,13 @@ class Eagle3Drafter(nn.Module):
         forcing; ids past the end are 0 and their outputs are masked by the loss) and, for i ≥ 1, the step-(i-1)
         output at t; it predicts token t+2+i. Attention: a step-i query at t sees the step-0 keys that ``allowed``
         [B, T, T] permits (causal, same sample) plus only the same-position key of steps 1..i — exactly the keys an
-        inference-time node at depth i sees (its context pairs and its ancestors). Rope position = position + i.
+        inference-time node at depth i sees (its context pairs and its ancestors; `models.ttt_attention`). Rope position =
+        position + i.
         """
         B, T, _ = features.shape
         attn_mod = self.midlayer.self_attn
         scale = 1.0 / math.sqrt(attn_mod.head_dim)
         hidden = self.project_features(features)
-        step0_bias = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
-        step0_bias = step0_bias.masked_fill(~allowed, torch.finfo(hidden.dtype).min)[:, None]  # [B, 1, T, T]
         keys0 = values0 = None
         diag_keys: list[torch.Tensor] = []
         diag_values: list[torch.Tensor] = []
@@ -457,19 +455,12 @@ class Eagle3Drafter(nn.Module):
             x = self.midlayer.attention_input(self.embed_tokens(ids), hidden)
             cos, sin = self.rotary(x, position_ids + i)
             q, k, v = attn_mod.qkv(x, cos, sin)
-            k, v = attn_mod.repeat_kv(k), attn_mod.repeat_kv(v)
             if i == 0:
                 keys0, values0 = k, v
             else:
                 diag_keys.append(k)
                 diag_values.append(v)
-            scores0 = torch.matmul(q, keys0.transpose(2, 3)) * scale + step0_bias  # [B, nh, T, T]
-            # same-position keys of steps 1..i: one score per (query, step) → [B, nh, T, i]
-            diag = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_keys]
-            probs = torch.cat([scores0, *diag], dim=-1).float().softmax(-1).to(q.dtype)
-            attn = torch.matmul(probs[..., :T], values0)
-            for j, dv in enumerate(diag_values):
-                attn = attn + probs[..., T + j : T + j + 1] * dv
+            attn = ttt_attention(q, keys0, values0, diag_keys, diag_values, allowed, scale, attention)
             hidden = self.midlayer.finish(hidden, attn_mod.out(attn))
             all_logits.append(self.compute_logits(hidden if select is None else hidden[select[i]]))
         return all_logits

@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from models.logits_to_keep import last_positions
 from models.timing import RETRIES, Timing, best_of, gemm_seconds, steady
 
 SERVE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
@@ -137,7 +138,7 @@ def _decode_ms(model: nn.Module, rows: int, batch: int, vocab: int) -> Timing:
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(vocab, (batch, PREFIX), generator=g)
     cache = DynamicCache(config=model.config)
-    model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=last_positions(1, PREFIX))
     new = torch.randint(vocab, (batch, rows), generator=g)
     positions = torch.arange(PREFIX, PREFIX + rows).expand(batch, rows)
 
@@ -207,7 +208,7 @@ def curve_timer(workload: str, config, prepare: ServingPath | None = None) -> Ca
 def _prefill_ms(model: nn.Module, vocab: int) -> Timing:
     """One uncached forward of ``PREFILL_CHUNK`` tokens (only the last position's logits, as a prefill keeps)."""
     ids = torch.randint(vocab, (1, PREFILL_CHUNK), generator=torch.Generator().manual_seed(0))
-    return _timing_ms(lambda: model(input_ids=ids, logits_to_keep=1), reps=3)
+    return _timing_ms(lambda: model(input_ids=ids, logits_to_keep=last_positions(1, PREFILL_CHUNK)), reps=3)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from transformers import (
 )
 from transformers.cache_utils import Cache
 
+from models.logits_to_keep import last_positions
 from models.precision import PrecisionChoice, choose, user_choice
 from models.precision_curves import ServingPath
 from models.reference import resolve_target
@@ -455,7 +456,9 @@ class TargetModel(nn.Module):
                 position_ids=position_ids,
                 cache=past_key_values,
                 use_cache=use_cache,
-                logits_to_keep=logits_to_keep,
+                logits_to_keep=last_positions(logits_to_keep, input_ids.shape[1], input_ids.device)
+                if logits_to_keep
+                else 0,
             )
         finally:
             for h in handles:

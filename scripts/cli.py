@@ -8,6 +8,7 @@ drafters publish CHECKPOINT [--out DIR] [--push-to REPO]   # a hub-ready folder 
 drafters bench [args of eval.bench_runtime]              # runtime benchmark of the drafter-free proposers
 drafters build-data [args of train.data.target_written] # self-synthesised, self-distilled chat data (resumable)
 drafters bench-answerer [args of train.data.answerer]    # self-distillation answer tokens/s beside this machine's limit
+drafters bench-train [args of train.bench_ttt]          # EAGLE-3 training tokens/s, recipe variants interleaved
 drafters regenerate [args of scripts/regenerate.py]      # self-distillation of an existing chat dataset
 drafters audit-data [args of train.data.audit]           # are self-distilled answers the target's greedy text?
 drafters estimate --target CONFIG --recipe YAML [...]    # memory / cache size / tokens per GPU-hour, before a run
@@ -274,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         "bench": lambda a: _run_module("eval.bench_runtime", a),
         "build-data": lambda a: _run_module("train.data.target_written", a),
         "bench-answerer": lambda a: _run_module("train.data.answerer", a),
+        "bench-train": lambda a: _run_module("train.bench_ttt", a),
         "regenerate": lambda a: _run_script(ROOT / "scripts" / "regenerate.py", a),
         "audit-data": lambda a: _run_module("train.data.audit", a),
         "estimate": lambda a: _run_script(ROOT / "scripts" / "estimate.py", a),

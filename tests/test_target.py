@@ -22,6 +22,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from models.logits_to_keep import last_positions
 from models.target import (
     AUX_LAYER_CONVENTION,
     TargetConfig,
@@ -110,6 +111,27 @@ def test_kv_cache_continuation_matches_full_forward() -> None:
     rest = target(ids[:, 4:], past_key_values=pre.past_key_values, use_cache=True)
     torch.testing.assert_close(rest.logits, full.logits[:, 4:], atol=1e-5, rtol=0)
     torch.testing.assert_close(rest.aux_hidden, full.aux_hidden[:, 4:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_logits_of_the_last_positions_read_contiguous_rows(arch: str) -> None:
+    """``logits_to_keep`` = n gives the full forward's last n logits, and the head reads a contiguous tensor: a
+    strided ``[:, -n:, :]`` view makes torch copy the head's weight once per row (`models/logits_to_keep.py`)."""
+    target = TargetModel(tiny_model(arch))
+    ids, mask = batch()
+    seen = []
+    hook = target.lm_head.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    try:
+        full = target(ids, attention_mask=mask)
+        for n in (1, 3):
+            kept = target(ids, attention_mask=mask, logits_to_keep=n)
+            torch.testing.assert_close(kept.logits, full.logits[:, -n:], atol=1e-6, rtol=0)
+    finally:
+        hook.remove()
+    assert seen == [True, True, True]
+    assert last_positions(2, 7).tolist() == [5, 6]
+    with pytest.raises(ValueError, match="last 8 of 7"):
+        last_positions(8, 7)
 
 
 def test_first_tensor_handles_tuple_and_tensor_layer_outputs() -> None:

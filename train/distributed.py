@@ -12,6 +12,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
+from models.allocator import keep_freed_memory
 from models.target import TargetConfig
 from train.config import TrainConfig
 from train.optim import mixed_precision
@@ -38,6 +39,7 @@ def make_accelerator(
     it accelerate finds no device and reports one process. So without CUDA an engine run asks for the gloo backend
     explicitly, which gives the real world size; FSDP, which accelerate enables for accelerator devices only, is
     then switched on here for the CPU ranks (``_fsdp_on_cpu``)."""
+    keep_freed_memory()  # a training step allocates its big tensors anew each time (models/allocator.py)
     engine = _engine_requested()
     # A recipe that puts the target on the CPU trains there too, also where CUDA exists: the batches follow the
     # accelerator's device, and the target's forward needs them on its own.

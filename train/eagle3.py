@@ -34,6 +34,7 @@ from models.config import parse_cli  # noqa: E402
 from models.eagle3 import Eagle3Drafter  # noqa: E402
 from models.eagle3_export import save_sglang, save_speculators  # noqa: E402
 from models.target import TargetConfig  # noqa: E402
+from models.ttt_attention import IMPLEMENTATIONS  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data.dataset import DataConfig  # noqa: E402
@@ -50,7 +51,7 @@ from train.loop import (  # noqa: E402
     load_target_and_data,
     start_training,
 )
-from train.losses import ttt_loss, ttt_targets  # noqa: E402
+from train.losses import TTTLoss, ttt_loss, ttt_targets  # noqa: E402
 from train.optim import adamw  # noqa: E402
 from train.progress import Progress, record  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
@@ -66,6 +67,10 @@ class DrafterConfig:
     """Training-time-test unroll length (EAGLE-3 / SpecForge 7; speculators 3)."""
     step_weight: float = 0.8
     """Loss weight of TTT step i is step_weight ** i."""
+    ttt_attention: str = "auto"
+    """How the unroll's attention is computed: "flash" (CPU: one flash-kernel pass and a log-sum-exp merge), "dense"
+    (the scores written out; any device) or "auto" (flash on CPU, dense elsewhere). Same results
+    (`models/ttt_attention.py`)."""
     init_from: str | None = None
     """Fine-tune an existing drafter checkpoint: its weights and its draft vocabulary are reused (never rebuilt)."""
     norm_before_fc: bool = False
@@ -77,6 +82,8 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 1 or self.ttt_steps < 1 or not 0 < self.step_weight <= 1:
             raise ValueError("need draft_vocab_size >= 1, ttt_steps >= 1 and 0 < step_weight <= 1")
+        if self.ttt_attention not in IMPLEMENTATIONS:
+            raise ValueError(f"drafter.ttt_attention must be one of {IMPLEMENTATIONS}, got {self.ttt_attention!r}")
 
 
 @dataclass
@@ -164,7 +171,8 @@ def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pa
         k = cfg.drafter.ttt_steps
         labels = ttt_targets(last_hidden, target.lm_head, batch["loss_mask"], model.t2d, k, sample_ids)
         with accelerator.autocast():
-            logits = model(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, k, labels.masks)
+            features = aux.to(model.fc.weight.dtype)
+            logits = model(features, batch["input_ids"], positions, allowed, k, labels.masks, cfg.drafter.ttt_attention)
         res = ttt_loss(logits, labels)
         correct += res.step_correct
         count += res.step_count
@@ -200,6 +208,22 @@ def save_exports(drafter: Eagle3Drafter, out: Path, log) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ loop
+def ttt_step(accelerator, drafter, target, batch: dict[str, torch.Tensor], dc: DrafterConfig) -> TTTLoss:
+    """One micro-batch of training-time test: the target's signals, the labels, the drafter unrolled
+    ``dc.ttt_steps`` times on its own outputs, the step-weighted soft cross-entropy and its backward (the optimizer
+    step is the caller's). ``drafter`` as accelerate prepared it."""
+    model = accelerator.unwrap_model(drafter)
+    aux, last_hidden = target_signals(target, batch)
+    allowed, positions, sample_ids = attention_masks(batch)
+    labels = ttt_targets(last_hidden, target.lm_head, batch["loss_mask"], model.t2d, dc.ttt_steps, sample_ids)
+    with accelerator.accumulate(drafter), accelerator.autocast():  # no all-reduce before the boundary
+        features = aux.to(model.fc.weight.dtype)
+        logits = drafter(features, batch["input_ids"], positions, allowed, dc.ttt_steps, labels.masks, dc.ttt_attention)
+        res = ttt_loss(logits, labels, dc.step_weight)
+        accelerator.backward(res.loss)  # divided by train.grad_accum there
+    return res
+
+
 def train_ttt(
     accelerator,
     cfg: Eagle3RecipeConfig,
@@ -226,13 +250,7 @@ def train_ttt(
     while progress.step < plan.total_steps:
         ids = epoch_batch(len(samples), micro, plan.per_epoch, tc.seed, rank, world, tc.batch_size, lengths)
         batch = to_device(collate_fn([samples[i] for i in ids], pad_id), accelerator.device)
-        aux, last_hidden = target_signals(target, batch)
-        allowed, positions, sample_ids = attention_masks(batch)
-        labels = ttt_targets(last_hidden, target.lm_head, batch["loss_mask"], model.t2d, k, sample_ids)
-        with accelerator.accumulate(drafter), accelerator.autocast():  # no all-reduce before the boundary
-            logits = drafter(aux.to(model.fc.weight.dtype), batch["input_ids"], positions, allowed, k, labels.masks)
-            res = ttt_loss(logits, labels, cfg.drafter.step_weight)
-            accelerator.backward(res.loss)  # divided by train.grad_accum there
+        res = ttt_step(accelerator, drafter, target, batch, cfg.drafter)
         progress.add(
             res.loss, res.step_correct, res.step_count, int(batch["attention_mask"].sum()), None, res.step_loss
         )

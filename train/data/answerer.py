@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from infer.continuous import decode_continuous
 from infer.sampling import SamplingParams
 from infer.serving import prepare_target  # prepare_target: the entry points below
+from models.allocator import keep_freed_memory
 from models.target import TargetModel
 from models.timing import gemm_gflops, gemm_seconds
 from models.tokenizer import stop_ids
@@ -191,6 +192,7 @@ def answer(
     Decoding is continuous (`infer.continuous.decode_continuous`): a row that finishes frees its slot for the next
     prompt, and a conversation's next turn joins the queue as soon as its answer is in (ahead of new conversations,
     so finished rows, and shards, keep coming). Every ``batch_size`` finished jobs are one shard."""
+    keep_freed_memory()  # every join and step allocates its big tensors anew (models/allocator.py)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rank, world = share or rank_and_world()

@@ -439,8 +439,8 @@ class Eagle3Drafter(nn.Module):
         forcing; ids past the end are 0 and their outputs are masked by the loss) and, for i ≥ 1, the step-(i-1)
         output at t; it predicts token t+2+i. Attention: a step-i query at t sees the step-0 keys that ``allowed``
         [B, T, T] permits (causal, same sample) plus only the same-position key of steps 1..i — exactly the keys an
-        inference-time node at depth i sees (its context pairs and its ancestors; `models.ttt_attention`). Rope position =
-        position + i.
+        inference-time node at depth i sees (its context pairs and its ancestors; `models.ttt_attention`). Rope
+        position = position + i.
         """
         B, T, _ = features.shape
         attn_mod = self.midlayer.self_attn

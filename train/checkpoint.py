@@ -22,6 +22,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from models.allocator import release_freed_memory
+
 STATE_DIR = "state"
 
 
@@ -68,6 +70,7 @@ def save_training_state(accelerator: Accelerator, output_dir: str | Path, counte
             if old.exists():  # state.old: the layout before keep-K, a leftover of an interrupted save
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
+    release_freed_memory()  # between steps: a heap fragmented past half the machine gives its free pages back
 
 
 def _check_deepspeed_files(state: Path) -> None:

@@ -82,6 +82,8 @@ def bench(argv: list[str]) -> list[VariantResult]:
     parser.add_argument("--batches", type=int, default=6, help="counted batches per variant (after one warm-up)")
     parser.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"))
     args, overrides = parser.parse_known_args(argv)
+    if args.batches < 1:
+        raise SystemExit("--batches must be at least 1")
     variants = parse_variants(args.variant)
     with tempfile.TemporaryDirectory() as out:
         base = [*overrides, f"train.output_dir={out}", "train.grad_accum=1", "train.log_with=null"]

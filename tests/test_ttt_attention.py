@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 from models.eagle3 import Eagle3Drafter
 from models.eagle3_config import Eagle3Config
 from models.ttt_attention import dense_ttt_attention, flash_ttt_attention
+from tests.test_eagle3_model import TINY
 
 
 def _allowed(B: int, T: int) -> torch.Tensor:
@@ -78,17 +79,8 @@ def test_later_keys_refused():
 def test_drafter_unroll_under_autocast_matches_dense():
     """The drafter's own unroll under bf16 autocast (rope leaves q and k in fp32, v comes out bf16): the flash path
     gives the dense path's logits and weight gradients within bf16 rounding; an unknown implementation is refused."""
-    llama = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(Eagle3Config.from_target(llama, draft_vocab_size=48, num_aux_layers=3))
+    drafter = Eagle3Drafter(Eagle3Config.from_target(LlamaConfig(**TINY), draft_vocab_size=48, num_aux_layers=3))
     B, T = 2, 13
     feats, ids = torch.randn(B, T, 3 * 32), torch.randint(0, 96, (B, T))
     positions = torch.arange(T).expand(B, T)

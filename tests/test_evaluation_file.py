@@ -10,22 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from train.data.text_tier import GSM8K_TEST, SOURCES, build_evaluation_file, shingles, spec_bench_turns
+from train.data.text_tier import GSM8K_TEST, SOURCES, build_evaluation_file, record, shingles, spec_bench_turns
 
 GROUPS = 8  # candidates per family: two files of four each, no spares
 
 
 def sentence(rng: random.Random, words: int) -> str:
     return " ".join(f"w{rng.randrange(10**9)}" for _ in range(words)) + "."
-
-
-def single_turn(row_id: str, family: str, source: str, user: str, answer: str) -> dict:
-    return {
-        "id": row_id,
-        "family": family,
-        "source": source,
-        "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
-    }
 
 
 def reserved_rows(rng: random.Random) -> list[dict]:
@@ -40,12 +31,12 @@ def reserved_rows(rng: random.Random) -> list[dict]:
                 "messages": [{"role": "user" if k % 2 == 0 else "assistant", "content": t} for k, t in enumerate(talk)],
             }
         )
-        rows.append(single_turn(f"q{i}_0", "qa", "sharegpt", "What is " + sentence(rng, 10), "x"))
+        rows.append(record("qa", "sharegpt", f"q{i}_0", "What is " + sentence(rng, 10), "x"))
         article = "Summarize this article.\n\n" + sentence(rng, 60)
-        rows.append(single_turn(f"s{i}", "summarization", "bigbench/xsum", article, sentence(rng, 10)))
+        rows.append(record("summarization", "bigbench/xsum", f"s{i}", article, sentence(rng, 10)))
     for i in range(3 * GROUPS):  # a German review for each translation candidate, English sides for the RAG groups
         review = "Translate this review into English:\n\n" + sentence(rng, 40)
-        rows.append(single_turn(f"t{i}", "translation", "bigbench/multiemo/de", review, sentence(rng, 40)))
+        rows.append(record("translation", "bigbench/multiemo/de", f"t{i}", review, sentence(rng, 40)))
     return rows
 
 

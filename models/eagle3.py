@@ -41,7 +41,7 @@ from models.checkpoint import TargetInfo, read_weights, write_checkpoint
 from models.eagle3_config import METHOD, Eagle3Config, read_checkpoint_config
 from models.sizing import GB, DrafterSizes, RunSizes
 from models.target import TargetModel
-from models.ttt_attention import ttt_attention
+from models.ttt_attention import attention_bias, compute_dtype, resolve, ttt_attention
 
 # --------------------------------------------------------------------------------------------------
 # Layers
@@ -446,6 +446,8 @@ class Eagle3Drafter(nn.Module):
         attn_mod = self.midlayer.self_attn
         scale = 1.0 / math.sqrt(attn_mod.head_dim)
         hidden = self.project_features(features)
+        path = resolve(attention, hidden.device)
+        bias = attention_bias(allowed, compute_dtype(hidden), path)  # once per unroll, every step reads it
         keys0 = values0 = None
         diag_keys: list[torch.Tensor] = []
         diag_values: list[torch.Tensor] = []
@@ -460,7 +462,7 @@ class Eagle3Drafter(nn.Module):
             else:
                 diag_keys.append(k)
                 diag_values.append(v)
-            attn = ttt_attention(q, keys0, values0, diag_keys, diag_values, allowed, scale, attention)
+            attn = ttt_attention(q, keys0, values0, diag_keys, diag_values, bias, scale, path)
             hidden = self.midlayer.finish(hidden, attn_mod.out(attn))
             all_logits.append(self.compute_logits(hidden if select is None else hidden[select[i]]))
         return all_logits

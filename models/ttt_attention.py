@@ -29,25 +29,46 @@ IMPLEMENTATIONS = ("auto", "dense", "flash")
 """``auto``: flash on CPU, dense elsewhere (no GPU run has measured a fused path there yet)."""
 
 
+def resolve(implementation: str, device: torch.device) -> str:
+    """``"flash"`` or ``"dense"``: the path ``implementation`` (one of ``IMPLEMENTATIONS``) takes on ``device``."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"TTT attention implementation {implementation!r} is not one of {IMPLEMENTATIONS}")
+    cpu = device.type == "cpu"
+    if implementation == "flash" and not cpu:
+        raise ValueError(f"the flash TTT attention runs on CPU only, not on {device.type}: use 'dense' or 'auto'")
+    return "flash" if implementation == "flash" or (implementation == "auto" and cpu) else "dense"
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the unroll's matmuls run in: autocast's where it is on for ``x``'s device, else ``x``'s own."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def attention_bias(allowed: torch.Tensor, dtype: torch.dtype, path: str) -> torch.Tensor:
+    """bool ``allowed`` [B, T, T] → the additive step-0 mask [B, 1, T, T] in ``dtype``, built once per unroll.
+
+    The flash path runs the kernel causal and skips the blocks above the diagonal, so a later key ``allowed`` permitted
+    would be dropped silently; the unroll's keys never are, and such a mask is refused instead."""
+    if path == "flash" and bool((allowed & ~torch.ones_like(allowed[0]).tril()).any()):
+        raise ValueError("the TTT attention is causal: allowed[b, t, s] must be False for s > t")
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return bias.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
 def ttt_attention(
     q: torch.Tensor,
     keys0: torch.Tensor,
     values0: torch.Tensor,
     diag_keys: list[torch.Tensor],
     diag_values: list[torch.Tensor],
-    allowed: torch.Tensor,
+    bias: torch.Tensor,
     scale: float,
-    implementation: str = "auto",
+    path: str,
 ) -> torch.Tensor:
-    """→ attn [B, nh, T, d] by ``implementation`` (one of ``IMPLEMENTATIONS``)."""
-    cpu = q.device.type == "cpu"
-    if implementation == "flash" and not cpu:
-        raise ValueError(f"the flash TTT attention runs on CPU only, not on {q.device.type}: use 'dense' or 'auto'")
-    if implementation == "flash" or (implementation == "auto" and cpu):
-        return flash_ttt_attention(q, keys0, values0, diag_keys, diag_values, allowed, scale)
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"TTT attention implementation {implementation!r} is not one of {IMPLEMENTATIONS}")
-    return dense_ttt_attention(q, keys0, values0, diag_keys, diag_values, allowed, scale)
+    """→ attn [B, nh, T, d] by ``path`` (`resolve`); ``bias`` from `attention_bias`."""
+    attend = flash_ttt_attention if path == "flash" else dense_ttt_attention
+    return attend(q, keys0, values0, diag_keys, diag_values, bias, scale)
 
 
 def dense_ttt_attention(
@@ -56,15 +77,13 @@ def dense_ttt_attention(
     values0: torch.Tensor,
     diag_keys: list[torch.Tensor],
     diag_values: list[torch.Tensor],
-    allowed: torch.Tensor,
+    bias: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """The TTT attention with its scores written out (module docstring)."""
     group = q.shape[1] // keys0.shape[1]
     keys0, values0 = keys0.repeat_interleave(group, 1), values0.repeat_interleave(group, 1)
     T = keys0.shape[2]
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-    bias = bias.masked_fill(~allowed, torch.finfo(q.dtype).min)[:, None]  # [B, 1, T, T]
     scores0 = torch.matmul(q, keys0.transpose(2, 3)) * scale + bias  # [B, nh, T, T]
     # same-position keys of steps 1..i: one score per (query, step) → [B, nh, T, i]
     diag = [(q * dk.repeat_interleave(group, 1)).sum(-1, keepdim=True) * scale for dk in diag_keys]
@@ -81,21 +100,15 @@ def flash_ttt_attention(
     values0: torch.Tensor,
     diag_keys: list[torch.Tensor],
     diag_values: list[torch.Tensor],
-    allowed: torch.Tensor,
+    bias: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The TTT attention as one flash pass and a log-sum-exp merge (module docstring); CPU only.
+    """The TTT attention as one flash pass and a log-sum-exp merge (module docstring); CPU only, ``bias`` causal.
 
-    ``allowed`` must not let a query read a later position (the unroll's keys never do): the kernel runs causal and
-    skips the blocks above the diagonal, so a later key it permits would be dropped silently; it is refused instead.
-    """
-    if bool((allowed & ~torch.ones_like(allowed[0]).tril()).any()):
-        raise ValueError("the TTT attention is causal: allowed[b, t, s] must be False for s > t")
-    # under autocast the kernel runs in autocast's dtype, as the dense path's matmuls do (rope leaves q and k in the
-    # layer's dtype while v comes out of an autocast matmul: the kernel wants one dtype)
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    The kernel wants one dtype: the bias's (`compute_dtype`; under autocast rope leaves q and k in the layer's dtype
+    while v comes out of an autocast matmul)."""
+    dtype = bias.dtype
     q, keys0, values0 = q.to(dtype), keys0.to(dtype), values0.to(dtype)
-    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, -torch.inf)[:, None]  # [B, 1, T, T]
     if not diag_keys:
         return _FlashTTT.apply(q, keys0, values0, None, None, bias, scale)
     dk, dv = torch.stack(diag_keys, 3).to(dtype), torch.stack(diag_values, 3).to(dtype)

@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from models.eagle3 import Eagle3Drafter
 from models.eagle3_config import Eagle3Config
-from models.ttt_attention import dense_ttt_attention, flash_ttt_attention
+from models.ttt_attention import attention_bias, dense_ttt_attention, flash_ttt_attention, resolve
 from tests.test_eagle3_model import TINY
 
 
@@ -35,7 +35,8 @@ def _inputs(steps: int, dtype: torch.dtype, B: int = 2, nh: int = 6, nkv: int = 
 
 def _run(fn, tensors, steps, allowed):
     q, k0, v0, *diag = tensors
-    out = fn(q, k0, v0, diag[:steps], diag[steps:], allowed, 8**-0.5)
+    bias = attention_bias(allowed, q.dtype, "flash" if fn is flash_ttt_attention else "dense")
+    out = fn(q, k0, v0, diag[:steps], diag[steps:], bias, 8**-0.5)
     grad = torch.linspace(-1, 1, out.numel()).view(out.shape).to(out.dtype)
     grads = torch.autograd.grad(out, tensors, grad)
     return out, grads
@@ -99,3 +100,14 @@ def test_drafter_unroll_under_autocast_matches_dense():
     assert (got_grad - want_grad).norm() <= 0.05 * want_grad.norm()
     with pytest.raises(ValueError, match="not one of"):
         unroll("fused")
+
+
+def test_the_path_follows_the_device_not_the_host():
+    """``auto`` is flash on CPU and dense on any other device (a CUDA device is simulated: no kernel runs)."""
+    assert resolve("auto", torch.device("cpu")) == "flash"
+    assert resolve("auto", torch.device("cuda")) == "dense"
+    assert resolve("dense", torch.device("cpu")) == "dense"
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve("flash", torch.device("cuda"))
+    with pytest.raises(ValueError, match="not one of"):
+        resolve("fused", torch.device("cpu"))

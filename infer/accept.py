@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.sampling import SamplingParams, sample_from_probs, target_probs
+from infer.sampling import SamplingParams, greedy_ids, sample_from_probs, target_probs
 from infer.tree import DraftTree
 
 
@@ -75,7 +75,7 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> AcceptResult:
     t*; stop when none matches. The bonus is t* at the stop node, so the emitted tokens are exactly
     what greedy decoding of the target would produce (Leviathan et al. 2023, T -> 0 limit).
     """
-    return greedy_walk(tree, target_logits.argmax(-1))
+    return greedy_walk(tree, greedy_ids(target_logits))
 
 
 def greedy_walk(tree: DraftTree, tstar: torch.Tensor) -> AcceptResult:

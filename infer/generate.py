@@ -28,7 +28,7 @@ from infer.accept import AcceptResult, accept_typical
 from infer.attention import SlackCache, additive_mask
 from infer.kernels import compact_kv, verify_greedy, verify_rejection
 from infer.proposer import Proposer, TargetSignal
-from infer.sampling import SamplingParams, sample_from_probs, target_probs, warp_logits
+from infer.sampling import SamplingParams, greedy_ids, sample_from_probs, target_probs, warp_logits
 from infer.stats import GenerationResult, GenerationStats
 from infer.tree import DraftTree
 from models.logits_to_keep import last_positions
@@ -129,7 +129,7 @@ def seeded_generator(params: SamplingParams, device: torch.device | str) -> torc
 def _next_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
     """logits [B, V] → [B] token ids (argmax at T = 0, else a sample of the warped distribution)."""
     if params.greedy:
-        return logits.argmax(-1)
+        return greedy_ids(logits)
     u = torch.rand(logits.shape[0], generator=gen, device=logits.device)
     return sample_from_probs(warp_logits(logits, params).softmax(-1), u)
 

@@ -11,7 +11,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from infer.attention import additive_mask, drop_holes
 from infer.proposer import Proposer
-from infer.sampling import SamplingParams, sample_from_probs, warp_logits
+from infer.sampling import SamplingParams, greedy_ids, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
 from infer.tree_search import DynamicTreeConfig, build_dynamic_tree, build_static_tree
 
@@ -209,7 +209,7 @@ class DraftModelProposer(Proposer):
         logits = root_logits
         for i in range(self.k):
             if params.greedy:
-                nxt = logits.argmax(-1)
+                nxt = greedy_ids(logits)
             else:
                 q = warp_logits(logits, params).softmax(-1)
                 qs.append(q)

@@ -64,10 +64,19 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension (the first maximal index on ties, as ``torch.argmax``). Half-precision logits
+    on the CPU are widened first: torch's CPU argmax over bf16 took ~5x as long as over fp32 here (48 rows of 49,152:
+    3.9 against 0.75 ms with the widening), and widening is exact, so the ids are the same."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(-1)
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution the output must follow: softmax of the warped logits (one-hot if greedy)."""
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(greedy_ids(logits), logits.shape[-1]).float()
     return warp_logits(logits, params).softmax(-1)
 
 

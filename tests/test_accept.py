@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infer.accept import AcceptResult, accept_greedy, accept_rejection, accept_typical, emitted_tokens
-from infer.sampling import SamplingParams, sample_from_probs, target_probs
+from infer.sampling import SamplingParams, greedy_ids, sample_from_probs, target_probs
 from infer.tree import DraftTree, chain
 
 V = 8
@@ -62,6 +62,18 @@ def reference_greedy(t: DraftTree, logits: torch.Tensor) -> tuple[list[list[int]
 
 
 # --- greedy -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_ids_are_argmax_first_on_ties(dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 3, 1000, generator=g).to(dtype)
+    logits[0, 0, [17, 400, 999]] = 50.0  # a three-way tie at the top: the first index wins
+    logits[1, 2, [0, 1]] = 50.0
+    ids = greedy_ids(logits)
+    assert ids.dtype == torch.int64 and ids.shape == (6, 3)
+    assert torch.equal(ids, logits.argmax(-1))
+    assert ids[0, 0] == 17 and ids[1, 2] == 0
 
 
 def test_greedy_full_accept() -> None:

@@ -1,0 +1,305 @@
+"""One-token decode attention on CPU in one pass over the cache: the batched vanilla step of the answerer.
+
+A batched decode step asks every row's one new query to read its whole cache. transformers runs it through torch's
+flash kernel for CPU, which with one query row per group streams the target's cache at ~8 GB/s where this class of
+host reads ~30-60 GB/s, and the cache's layers are prefix views of a buffer with spare slots (`infer.attention.
+SlackCache`), which `bmm` copies first (docs/decisions.md, "One answerer"). This kernel reads the keys and values
+in place, block by block: a block of keys is widened to fp32, scored against the group's query rows, folded into a
+running softmax (max, sum, weighted values) and its values added, so every byte of the cache is read once.
+
+`decode_attention` is registered with transformers' ``AttentionInterface`` as `NAME`; a forward with more than one
+query per row, a device other than the CPU, a dtype other than fp32 / bf16 or a layout the kernel does not read
+(keys or values not contiguous along the head dimension) goes to HF's SDPA function
+unchanged. The kernel is compiled on first use (torch's C++ extension loader, ``-O3 -march=native``) into torch's
+extension cache, named by a hash of its source and of this CPU's flags, so a cache shared by different CPUs never
+hands one a binary built for another; `available` says whether it could be built (a host without a compiler keeps
+the SDPA path). Accuracy: fp32 scores, softmax and sums, as SDPA keeps them; the output rounded once to the input
+dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "drafters_cpu_decode"
+"""The attention implementation name registered with transformers."""
+
+ENV_VAR = "DRAFTERS_CPU_DECODE_ATTENTION"
+"""``0`` keeps every call on SDPA (for A/B timing and for hosts where the build misbehaves)."""
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 64;  // keys per block: their fp32 copy (16 KB at 64 dims) stays in L1
+
+inline float widen(at::BFloat16 x) {  // bf16 is fp32's top half
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float widen(float x) { return x; }
+
+template <typename T>
+inline void widen_row(const T* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
+}
+
+template <typename T>
+inline void axpy(float w, const T* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += w * widen(x[i]);
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+
+// exp for x <= 0 without a call, so the compiler vectorizes the loop around it: 2^n * p(r), r = x - n ln 2, with a
+// degree-6 polynomial (relative error ~2e-7, as expf); exactly 0 below -87.3, where expf is subnormal or 0, which
+// is what masked keys (score + dtype-min) must contribute.
+inline float exp_nonpositive(float x) {
+  const float xc = std::max(x, -87.3f);
+  const float n = std::nearbyint(xc * 1.44269504f);
+  const float r = xc - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.3888889e-3f;
+  p = p * r + 8.3333333e-3f;
+  p = p * r + 4.1666667e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.3f ? 0.f : p * scale;
+}
+
+// q [B, Hq, D] fp32 contiguous, already scaled; k, v [B, Hkv, S, D] with unit stride along D; mask [B, S] fp32
+// additive or empty; out [B, Hq, D] fp32.
+// DIM: the head dimension as a compile-time constant (0: read at run time), so the per-key loops unroll fully.
+template <typename T, int64_t DIM>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), Hkv = k.size(1), S = k.size(2), G = Hq / Hkv;
+  const int64_t D = DIM ? DIM : q.size(2);
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const float* qp = q.data_ptr<float>();
+  const float* mp = mask.numel() ? mask.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t kb = k.stride(0), kh = k.stride(1), ks = k.stride(2);
+  const int64_t vb = v.stride(0), vh = v.stride(1), vs = v.stride(2);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kf(BLOCK * D), p(G * BLOCK), acc(G * D), m(G), l(G);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const float* qg = qp + (b * Hq + h * G) * D;  // the group's G query rows
+      const T* kbase = kp + b * kb + h * kh;
+      const T* vbase = vp + b * vb + h * vh;
+      const float* mrow = mp ? mp + b * S : nullptr;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -INFINITY);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t s0 = 0; s0 < S; s0 += BLOCK) {
+        const int64_t n = std::min(BLOCK, S - s0);
+        for (int64_t j = 0; j < n; ++j) widen_row(kbase + (s0 + j) * ks, kf.data() + j * D, D);
+        for (int64_t g = 0; g < G; ++g) {
+          float* __restrict pg = p.data() + g * BLOCK;
+          const float* __restrict qq = qg + g * D;
+          for (int64_t j = 0; j < n; ++j) pg[j] = dot(qq, kf.data() + j * D, D) + (mrow ? mrow[s0 + j] : 0.f);
+          float top = m[g];
+          for (int64_t j = 0; j < n; ++j) top = std::max(top, pg[j]);
+          // rescale what was summed under the old maximum (none yet: m = -inf, nothing to scale)
+          const float rescale = m[g] == -INFINITY ? 0.f : exp_nonpositive(m[g] - top);
+          float sum = 0.f;
+          for (int64_t j = 0; j < n; ++j) {
+            pg[j] = exp_nonpositive(pg[j] - top);
+            sum += pg[j];
+          }
+          l[g] = l[g] * rescale + sum;
+          m[g] = top;
+          float* __restrict ag = acc.data() + g * D;
+          for (int64_t d = 0; d < D; ++d) ag[d] *= rescale;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const T* __restrict row = vbase + (s0 + j) * vs;
+          for (int64_t g = 0; g < G; ++g) axpy(p[g * BLOCK + j], row, acc.data() + g * D, D);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = op + (b * Hq + h * G + g) * D;
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q [B, Hq, D], k / v [B, Hkv, S, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous fp32");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "k and v: one shape, one dtype");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(2) && q.size(1) % k.size(1) == 0, "q / k shapes");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k / v: unit stride along the head dimension");
+  TORCH_CHECK(mask.numel() == 0 || (mask.scalar_type() == at::kFloat && mask.is_contiguous() &&
+              mask.dim() == 2 && mask.size(0) == k.size(0) && mask.size(1) == k.size(2)), "mask: fp32 [B, S]");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const bool bf16 = k.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || k.scalar_type() == at::kFloat, "k / v: fp32 or bf16");
+  switch (q.size(2)) {
+    case 64: bf16 ? run<at::BFloat16, 64>(q, k, v, mask, out) : run<float, 64>(q, k, v, mask, out); break;
+    case 128: bf16 ? run<at::BFloat16, 128>(q, k, v, mask, out) : run<float, 128>(q, k, v, mask, out); break;
+    default: bf16 ? run<at::BFloat16, 0>(q, k, v, mask, out) : run<float, 0>(q, k, v, mask, out);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_attention", &decode_attention); }
+"""
+
+
+def _cpu_flags() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux: the machine name stands in
+        return os.uname().machine
+    return next((line for line in lines if line.startswith(("flags", "Features"))), "")
+
+
+def _ninja_on_path() -> None:
+    """torch's loader runs ``ninja`` from PATH; a virtual environment's own ninja (the `ninja` wheel) is not on it when
+    its python runs without activating it (as ``make test`` does)."""
+    try:
+        import ninja
+    except ImportError:  # a ninja elsewhere on PATH may still serve
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+
+
+@functools.cache
+def _module():
+    """The compiled extension, or None where it cannot be built (logged once)."""
+    from torch.utils.cpp_extension import load_inline
+
+    _ninja_on_path()
+
+    digest = hashlib.sha256((_SOURCE + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+    try:
+        return load_inline(
+            name=f"drafters_cpu_decode_{digest}",
+            cpp_sources=_SOURCE,
+            # -fopenmp: at::parallel_for is a header-inlined OpenMP loop, serial when built without it
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as err:  # no compiler, no ninja, an unsupported flag: the SDPA path stays
+        log.warning("the CPU decode-attention kernel could not be built (%s); SDPA serves one-token queries", err)
+        return None
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it on first call) and not turned off by `ENV_VAR`."""
+    return os.environ.get(ENV_VAR, "1") != "0" and _module() is not None
+
+
+def one_query_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """query [B, Hq, 1, D], key / value [B, Hkv, S, D] (unit stride along D; any other strides, e.g. a prefix view
+    of a larger buffer), mask None, bool (True = may attend) or additive, [B or 1, 1, 1, S] → [B, Hq, 1, D] in the
+    query's dtype. Requires `available()`."""
+    B, Hq, _, D = query.shape
+    q = (query.reshape(B, Hq, D).float() * scaling).contiguous()
+    if mask is None:
+        m = torch.empty(0)
+    else:
+        m = mask[:, 0, -1, :]
+        m = (
+            torch.zeros(m.shape).masked_fill_(~m, torch.finfo(torch.float32).min)
+            if m.dtype == torch.bool
+            else m.float()
+        )
+        m = m.expand(B, -1).contiguous()
+    return _module().decode_attention(q, key, value, m).to(query.dtype).unsqueeze(2)
+
+
+def _kernel_reads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a call is one the kernel serves (else SDPA does)."""
+    return (
+        query.shape[2] == 1
+        and query.device.type == "cpu"
+        and key.dtype in (torch.float32, torch.bfloat16)
+        and key.dtype == value.dtype
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+        and (mask is None or mask.dim() == 4)
+        and available()
+    )
+
+
+def decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF's attention-function form: one-token queries through the kernel, everything else through SDPA. Returns
+    [B, q, Hq, D] as HF's attention functions do."""
+    if dropout or not _kernel_reads(query, key, value, attention_mask) or kwargs.get("sliding_window"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return one_query_attention(query, key, value, attention_mask, scale).transpose(1, 2), None
+
+
+AttentionInterface.register(NAME, decode_attention)
+# HF builds no mask at all for a name its mask interface lacks; every call SDPA serves needs SDPA's.
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+@contextmanager
+def one_pass_decode(model: PreTrainedModel) -> Iterator[bool]:
+    """Serve ``model``'s one-token queries by the kernel inside the block (yields whether it does): only for a CPU
+    model on SDPA, the path every other call keeps, and only where the kernel builds."""
+    before = model.config._attn_implementation
+    if model.device.type != "cpu" or before != "sdpa" or not available():
+        yield False
+        return
+    model.set_attn_implementation(NAME)
+    try:
+        yield True
+    finally:
+        model.set_attn_implementation(before)

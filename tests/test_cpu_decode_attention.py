@@ -1,0 +1,107 @@
+"""The CPU one-pass decode attention (infer/kernels/cpu_decode_attention.py) against HF's SDPA function: every layout
+the answerer's cache hands it (prefix views of a buffer with spare slots, grouped heads, masked holes, a first block
+with nothing visible), its fallbacks, and greedy decoding with and without it."""
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from infer.continuous import decode_continuous
+from infer.kernels import cpu_decode_attention as cda
+from infer.sampling import SamplingParams
+from models.target import TargetModel
+from tests.conftest import tiny_llama
+
+
+class _Module(torch.nn.Module):
+    """What HF's SDPA function reads from the attention module."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+def _case(B, Hq, Hkv, S, D, dtype, seed=0, spare=23):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, Hkv, S + spare, D, generator=g).to(dtype)[:, :, :S]  # a prefix view, as SlackCache hands out
+    v = torch.randn(B, Hkv, S + spare, D, generator=g).to(dtype)[:, :, :S]
+    q = torch.randn(B, Hq, 1, D, generator=g).to(dtype)
+    allowed = torch.rand(B, 1, 1, S, generator=g) > 0.3
+    allowed[..., -1] = True  # the query's own slot
+    allowed[0, ..., : min(S - 1, 70)] = False  # row 0: its first block (and more) holds only holes
+    return q, k, v, allowed
+
+
+def _additive(allowed, dtype):
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def test_the_kernel_builds():
+    assert cda.available(), "the C++ kernel did not build on this host (see the logged warning)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 9, 3, 130, 64), (2, 4, 2, 7, 128), (4, 6, 6, 64, 48), (2, 8, 1, 1, 64)],
+    ids=["grouped-64", "short-128", "no-groups-generic-dim", "one-slot"],
+)
+@pytest.mark.parametrize("mask_kind", ["additive", "bool", "none"])
+def test_equals_sdpa(dtype, shape, mask_kind):
+    B, Hq, Hkv, S, D = shape
+    q, k, v, allowed = _case(B, Hq, Hkv, S, D, dtype)
+    mask = {"additive": _additive(allowed, dtype), "bool": allowed, "none": None}[mask_kind]
+    module = _Module(Hq // Hkv)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, 0.0, D**-0.5, is_causal=False)
+    out, none = cda.decode_attention(module, q, k, v, mask, 0.0, D**-0.5)
+    assert none is None and out.shape == ref.shape == (B, 1, Hq, D) and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    else:  # both keep fp32 inside and round once: at most a unit or two in the last place of bf16
+        assert (out.float() - ref.float()).abs().max() <= 2 * 2**-8 * ref.float().abs().max()
+
+
+def test_one_mask_row_broadcast_over_the_batch():
+    q, k, v, allowed = _case(3, 6, 2, 40, 64, torch.float32)
+    mask = _additive(allowed[:1], torch.float32)  # [1, 1, 1, S], as HF builds for an unpadded batch
+    module = _Module(3)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, 0.0, 0.125, is_causal=False)
+    torch.testing.assert_close(cda.decode_attention(module, q, k, v, mask, 0.0, 0.125)[0], ref, atol=2e-6, rtol=1e-5)
+
+
+def test_longer_queries_go_to_sdpa_unchanged():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 5, 64, generator=g)
+    k, v = torch.randn(2, 2, 9, 64, generator=g), torch.randn(2, 2, 9, 64, generator=g)
+    mask = _additive(torch.ones(2, 1, 5, 9, dtype=torch.bool).tril(4), torch.float32)
+    module = _Module(2)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, 0.0, 0.125)
+    assert torch.equal(cda.decode_attention(module, q, k, v, mask, 0.0, 0.125)[0], ref)
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(cda.ENV_VAR, "0")
+    model = tiny_llama()
+    with cda.one_pass_decode(model) as on:
+        assert not on and model.config._attn_implementation == "sdpa"
+
+
+def test_greedy_decoding_is_unchanged_and_the_implementation_restored():
+    target = TargetModel(tiny_llama(layers=2, seed=3))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (5, 17, 1, 40, 9, 23, 3)]
+    params = SamplingParams(max_new_tokens=24)
+
+    def run() -> dict[int, list[int]]:
+        queue, done = list(enumerate(prompts)), {}
+        submit = lambda n: [queue.pop(0) for _ in range(min(n, len(queue)))]  # noqa: E731
+        decode_continuous(target, submit, done.__setitem__, params, eos_ids=(), batch_size=3, refill=1)
+        return done
+
+    plain = run()
+    with cda.one_pass_decode(target.model) as on:
+        assert on and target.model.config._attn_implementation == cda.NAME
+        fused = run()
+    assert target.model.config._attn_implementation == "sdpa"
+    assert fused == plain and len(plain) == len(prompts)

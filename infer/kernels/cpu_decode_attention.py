@@ -48,6 +48,9 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -100,6 +103,89 @@ inline float exp_nonpositive(float x) {
   return x < -87.3f ? 0.f : p * scale;
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16(const at::BFloat16* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+
+// lane j of the result = the sum of v[j]'s 16 lanes: pairs inside 128-bit lanes, then quads, then across them
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+// p[g][j] = q_g . k_j for the n <= BLOCK keys from k (rows ks apart), g < G. With AVX-512 and a constant head
+// dimension, 16 keys at a time: each key's row is read once for every query row of the group, the products kept as
+// 16-lane partial sums and reduced together (one horizontal sum per key would cost more than the products);
+// otherwise the block is widened into kf and each score is a dot product.
+template <typename T, int64_t DIM>
+inline void block_scores(const T* k, int64_t ks, int64_t n, const float* q, int64_t G, int64_t D, float* kf, float* p) {
+#if defined(__AVX512F__)
+  if constexpr (DIM > 0 && DIM % 16 == 0) {
+    constexpr int64_t C = DIM / 16;
+    __m512 part[16];
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 qc[C];
+      for (int64_t c = 0; c < C; ++c) qc[c] = _mm512_loadu_ps(q + g * DIM + 16 * c);
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t m = std::min<int64_t>(16, n - j0);
+        for (int64_t j = 0; j < 16; ++j) {
+          __m512 s = _mm512_setzero_ps();
+          if (j < m) {
+            const T* row = k + (j0 + j) * ks;
+            for (int64_t c = 0; c < C; ++c) s = _mm512_fmadd_ps(qc[c], load16(row + 16 * c), s);
+          }
+          part[j] = s;
+        }
+        _mm512_mask_storeu_ps(p + g * BLOCK + j0, static_cast<__mmask16>((1u << m) - 1), sum_lanes16(part));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) widen_row(k + j * ks, kf + j * D, D);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < n; ++j) p[g * BLOCK + j] = dot(q + g * D, kf + j * D, D);
+}
+
+// acc[g] += sum_j p[g][j] v_j over the block's n values (rows vs apart). With AVX-512 and a constant head dimension
+// each query row's sums stay in registers across the block.
+template <typename T, int64_t DIM>
+inline void block_values(const T* v, int64_t vs, int64_t n, const float* p, int64_t G, int64_t D, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (DIM > 0 && DIM % 16 == 0) {
+    constexpr int64_t C = DIM / 16;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 a[C];
+      for (int64_t c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + g * DIM + 16 * c);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 w = _mm512_set1_ps(p[g * BLOCK + j]);
+        const T* row = v + j * vs;
+        for (int64_t c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(w, load16(row + 16 * c), a[c]);
+      }
+      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * c, a[c]);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t g = 0; g < G; ++g) axpy(p[g * BLOCK + j], v + j * vs, acc + g * D, D);
+}
+
 // q [B, Hq, D] fp32 contiguous, already scaled; k, v [B, Hkv, S, D] with unit stride along D; mask [B, S] fp32
 // additive or empty; out [B, Hq, D] fp32.
 // DIM: the head dimension as a compile-time constant (0: read at run time), so the per-key loops unroll fully.
@@ -127,11 +213,11 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       std::fill(l.begin(), l.end(), 0.f);
       for (int64_t s0 = 0; s0 < S; s0 += BLOCK) {
         const int64_t n = std::min(BLOCK, S - s0);
-        for (int64_t j = 0; j < n; ++j) widen_row(kbase + (s0 + j) * ks, kf.data() + j * D, D);
+        block_scores<T, DIM>(kbase + s0 * ks, ks, n, qg, G, D, kf.data(), p.data());
         for (int64_t g = 0; g < G; ++g) {
           float* __restrict pg = p.data() + g * BLOCK;
-          const float* __restrict qq = qg + g * D;
-          for (int64_t j = 0; j < n; ++j) pg[j] = dot(qq, kf.data() + j * D, D) + (mrow ? mrow[s0 + j] : 0.f);
+          if (mrow)
+            for (int64_t j = 0; j < n; ++j) pg[j] += mrow[s0 + j];
           float top = m[g];
           for (int64_t j = 0; j < n; ++j) top = std::max(top, pg[j]);
           // rescale what was summed under the old maximum (none yet: m = -inf, nothing to scale)
@@ -146,10 +232,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           float* __restrict ag = acc.data() + g * D;
           for (int64_t d = 0; d < D; ++d) ag[d] *= rescale;
         }
-        for (int64_t j = 0; j < n; ++j) {
-          const T* __restrict row = vbase + (s0 + j) * vs;
-          for (int64_t g = 0; g < G; ++g) axpy(p[g * BLOCK + j], row, acc.data() + g * D, D);
-        }
+        block_values<T, DIM>(vbase + s0 * vs, vs, n, p.data(), G, D, acc.data());
       }
       for (int64_t g = 0; g < G; ++g) {
         float* o = op + (b * Hq + h * G + g) * D;

@@ -70,6 +70,38 @@ def test_one_mask_row_broadcast_over_the_batch():
     torch.testing.assert_close(cda.decode_attention(module, q, k, v, mask, 0.0, 0.125)[0], ref, atol=2e-6, rtol=1e-5)
 
 
+def test_a_mask_of_another_width_is_refused_as_sdpa_refuses_it():
+    q, k, v, allowed = _case(2, 6, 2, 40, 64, torch.float32)
+    mask = _additive(torch.cat([allowed, torch.ones(2, 1, 1, 5, dtype=torch.bool)], -1), torch.float32)
+    module = _Module(3)
+    with pytest.raises(RuntimeError):
+        sdpa_attention_forward(module, q, k, v, mask, 0.0, 0.125, is_causal=False)
+    with pytest.raises(RuntimeError, match="mask"):
+        cda.decode_attention(module, q, k, v, mask, 0.0, 0.125)
+
+
+@pytest.mark.parametrize("case", ["mask-per-head", "sliding-window", "dropout"])
+def test_what_the_kernel_lacks_goes_to_sdpa(case, monkeypatch):
+    def refuse(*args):
+        raise AssertionError("the kernel was called")
+
+    monkeypatch.setattr(cda, "one_query_attention", refuse)
+    q, k, v, allowed = _case(2, 6, 2, 40, 64, torch.float32)
+    mask, kwargs, dropout = _additive(allowed, torch.float32), {}, 0.0
+    if case == "mask-per-head":
+        mask = mask.expand(2, 6, 1, 40).clone()
+        mask[:, 1:, :, :3] = torch.finfo(torch.float32).min
+    elif case == "sliding-window":
+        kwargs = {"sliding_window": 16}
+    else:
+        dropout = 0.5
+    module = _Module(3)
+    torch.manual_seed(0)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, dropout, 0.125, is_causal=False, **kwargs)
+    torch.manual_seed(0)
+    assert torch.equal(cda.decode_attention(module, q, k, v, mask, dropout, 0.125, is_causal=False, **kwargs)[0], ref)
+
+
 def test_longer_queries_go_to_sdpa_unchanged():
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, 5, 64, generator=g)

@@ -4,17 +4,19 @@ A batched decode step asks every row's one new query to read its whole cache. tr
 flash kernel for CPU, which with one query row per group streams the target's cache at ~8 GB/s where this class of
 host reads ~30-60 GB/s, and the cache's layers are prefix views of a buffer with spare slots (`infer.attention.
 SlackCache`), which `bmm` copies first (docs/decisions.md, "One answerer"). This kernel reads the keys and values
-in place, block by block: a block of keys is widened to fp32, scored against the group's query rows, folded into a
-running softmax (max, sum, weighted values) and its values added, so every byte of the cache is read once.
+in place, 64 slots at a time, one task per row and key/value head: the block's scores against the group's query rows
+(fp32), a running softmax (max and sum), the block's values added, so the cache is read from memory once. With
+AVX-512 and a head size that is a multiple of 16 the products of 16 keys are reduced together and each query row's
+sums stay in registers; elsewhere the same loops are left to the compiler's vectorizer.
 
 `decode_attention` is registered with transformers' ``AttentionInterface`` as `NAME`; a forward with more than one
-query per row, a device other than the CPU, a dtype other than fp32 / bf16 or a layout the kernel does not read
-(keys or values not contiguous along the head dimension) goes to HF's SDPA function
-unchanged. The kernel is compiled on first use (torch's C++ extension loader, ``-O3 -march=native``) into torch's
-extension cache, named by a hash of its source and of this CPU's flags, so a cache shared by different CPUs never
-hands one a binary built for another; `available` says whether it could be built (a host without a compiler keeps
-the SDPA path). Accuracy: fp32 scores, softmax and sums, as SDPA keeps them; the output rounded once to the input
-dtype.
+query per row, a device other than the CPU, a dtype other than fp32 / bf16, a layout the kernel does not read (keys
+or values not contiguous along the head dimension, a mask per head) or a model feature it lacks (a sliding window,
+logit soft-capping, attention sinks) goes to HF's SDPA function unchanged. The kernel is compiled on first use
+(torch's C++ extension loader, ``-O3 -march=native``, OpenMP) into torch's extension cache, named by a hash of its
+source and of this CPU's flags, so a cache shared by different CPUs never hands one a binary built for another;
+`available` says whether it could be built (a host without a compiler keeps the SDPA path). Accuracy: fp32 scores,
+softmax and sums, as SDPA keeps them; the output rounded once to the input dtype.
 """
 
 from __future__ import annotations
@@ -345,7 +347,7 @@ def _kernel_reads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         and key.dtype == value.dtype
         and key.stride(-1) == 1
         and value.stride(-1) == 1
-        and (mask is None or mask.dim() == 4)
+        and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1))
         and available()
     )
 
@@ -362,7 +364,8 @@ def decode_attention(
 ) -> tuple[torch.Tensor, None]:
     """HF's attention-function form: one-token queries through the kernel, everything else through SDPA. Returns
     [B, q, Hq, D] as HF's attention functions do."""
-    if dropout or not _kernel_reads(query, key, value, attention_mask) or kwargs.get("sliding_window"):
+    unsupported = any(kwargs.get(name) is not None for name in ("sliding_window", "softcap", "s_aux"))
+    if dropout or unsupported or not _kernel_reads(query, key, value, attention_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return one_query_attention(query, key, value, attention_mask, scale).transpose(1, 2), None

@@ -190,17 +190,21 @@ def main(argv: list[str]) -> None:
     rows = json.loads(store.read_text())["rows"] if store.exists() else []
     done = {r["name"] for r in rows}
     checkpoints = sorted(run.glob("snapshots/step-*"), key=lambda p: int(p.name.split("-")[1]))
-    todo = [(p.name, p, int(p.name.split("-")[1])) for p in checkpoints]
+    todo = {p.name: (p, int(p.name.split("-")[1])) for p in checkpoints}
     # The run's own folder holds the final checkpoint only once the run has finished; while it trains, its state
-    # has moved past the weights saved there, so the folder is measured only when its step is the last one.
+    # has moved past the weights saved there, so the folder is measured only when its step is the last one. It
+    # stands for a snapshot of that same step (one row per step).
     state = run / "state" / "step.json"
     last = json.loads(state.read_text())["step"] if state.exists() else None
     world = run_world(run, cfg, train_set)
     _, total_steps, _ = schedule(cfg.train, len(train_set), world)
-    if (run / "model.safetensors").exists() and last == total_steps and f"step-{last}" not in done:
-        todo.append((f"step-{last}", run, last))
-    todo += [(name, Path(d), None) for name, d in (e.split("=", 1) for e in args.extra)]
-    for name, path, step in todo:
+    if (run / "model.safetensors").exists() and last == total_steps:
+        todo[f"step-{last}"] = (run, last)
+    for name, d in (e.split("=", 1) for e in args.extra):
+        if name in todo:
+            raise SystemExit(f"--extra {name}={d}: the run has a checkpoint of that name")
+        todo[name] = (Path(d), None)
+    for name, (path, step) in todo.items():
         if name in done:
             continue
         t0 = time.time()

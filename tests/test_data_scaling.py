@@ -34,8 +34,8 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     data.write_text("".join((tiny_recipe / "train.jsonl").read_text().splitlines(keepends=True)[:12]))
     out = tmp_path / "run"
     args = [*recipe_args(tiny_recipe, out, *RUN), f"target.name_or_path={target}", f"data.path={data}"]
-    recipe.main([*args, "train.snapshot_steps=[2, 4]"])
-    assert sorted(p.name for p in (out / "snapshots").iterdir()) == ["step-2", "step-4"]
+    recipe.main([*args, "train.snapshot_steps=[2, 4, 6]"])  # 6: the last step, a snapshot too
+    assert sorted(p.name for p in (out / "snapshots").iterdir()) == ["step-2", "step-4", "step-6"]
     final, early = load_file(out / "model.safetensors"), load_file(out / "snapshots" / "step-2" / "model.safetensors")
     assert any(not early[k].equal(final[k]) for k in final)  # a snapshot is the weights of its step, not the end's
 
@@ -54,7 +54,8 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     measure(curve, *small)
 
     measured = json.loads((curve / "curve.json").read_text())["rows"]
-    assert [r["name"] for r in measured] == ["step-2", "step-4", "step-6"]  # the finished run is its last row
+    # the finished run is its last row, once, though its last step has a snapshot too
+    assert [r["name"] for r in measured] == ["step-2", "step-4", "step-6"]
     assert measured[-1]["path"] == str(out)
     tokens = [r["tokens"] for r in measured]
     assert tokens[0] < tokens[1] < tokens[2]

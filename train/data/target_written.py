@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from eval.stdlib_corpus import split_files, stdlib_files
 from infer.continuous import decode_continuous
+from infer.kernels.cpu_decode_attention import one_pass_decode
 from infer.sampling import SamplingParams
 from infer.serving import prepare_target
 from models.target import TargetModel
@@ -114,8 +115,8 @@ class BuildConfig:
     """Temperature of the target's answers (0 = greedy)."""
     max_new_tokens: int = 384
     """Cap per answer; answers that hit it are kept and counted."""
-    batch_size: int = 32
-    """Rows per generate call."""
+    batch_size: int = 96
+    """Rows decoded together by the answerer (`train.data.answerer.AnswerConfig.batch_size` says why 96)."""
     answer_limit: int = 0
     """Answer only the first N training conversations (0 = all); the order is a seeded mix of the kinds, so a limit
     keeps their proportions, and a later build with a higher limit (or 0) answers the rest."""
@@ -253,7 +254,8 @@ def synthesize_requests(
     if len(rows) < count:
         # continuous batching: a request that ends frees its slot at once (a static batch waits for its longest,
         # which runs to the 128-token cap whenever one request does)
-        decode_continuous(target, submit, on_done, params, stop, cfg.batch_size)
+        with one_pass_decode(target.model):  # the batched step's attention in one read of the cache
+            decode_continuous(target, submit, on_done, params, stop, cfg.batch_size)
         if pending:
             flush()
         if len(rows) < count:

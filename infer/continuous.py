@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from infer.generate import DecodeState, prefill, seeded_generator, vanilla_round
+from infer.kernels.cpu_decode_attention import one_pass_decode
 from infer.sampling import SamplingParams
 from infer.stats import GenerationStats
 from models.target import TargetModel
@@ -36,31 +37,33 @@ def decode_continuous(
     slots are free (default a quarter of the batch): every join left-pads the shorter cache to the longer, so a join
     per freed slot would copy the cache too often. Tokens and logits of a row do not depend on its neighbours (the
     slot layout of `infer.generate`), so greedy answers equal those of one-at-a-time decoding up to the kernels'
-    rounding. One random stream serves all rows (T > 0 samples are not tied to a row's batch)."""
+    rounding. One random stream serves all rows (T > 0 samples are not tied to a row's batch). On the CPU the one-token
+    steps attend through `infer.kernels.cpu_decode_attention` (off with ``DRAFTERS_CPU_DECODE_ATTENTION=0``)."""
     refill = max(1, refill if refill is not None else batch_size // 4)
     stats = GenerationStats(tree_nodes=1)
     t0 = clock(target.device)
     gen = seeded_generator(params, target.device)
     state: DecodeState | None = None
     keys: dict[int, object] = {}
-    while True:
-        free = batch_size - (len(state.active) if state is not None else 0)
-        if state is None or not state.active or free >= refill:
-            new = submit(free) if free else []
-            if new:
-                tp = clock(target.device)
-                state = _join(target, state, [p for _, p in new], params, eos_ids, keys, [k for k, _ in new])
-                stats.prefill_s += clock(target.device) - tp
-        if state is None or not state.active:
-            break
-        for row in vanilla_round(target, state, params, gen, stats):
-            on_done(keys.pop(row), state.new_tokens[row])
-            state.new_tokens[row] = state.contexts[row] = []  # answered: release its text
-        if state.active:  # slots no live row holds (left padding of rows that finished) would be attended forever
-            unused = int(state.kv_valid.any(0).int().argmax())
-            if unused:
-                state.cache.drop_front(unused)
-                state.kv_valid = state.kv_valid[:, unused:]
+    with one_pass_decode(target.model):  # on the CPU, the batched step attends in one read of the cache
+        while True:
+            free = batch_size - (len(state.active) if state is not None else 0)
+            if state is None or not state.active or free >= refill:
+                new = submit(free) if free else []
+                if new:
+                    tp = clock(target.device)
+                    state = _join(target, state, [p for _, p in new], params, eos_ids, keys, [k for k, _ in new])
+                    stats.prefill_s += clock(target.device) - tp
+            if state is None or not state.active:
+                break
+            for row in vanilla_round(target, state, params, gen, stats):
+                on_done(keys.pop(row), state.new_tokens[row])
+                state.new_tokens[row] = state.contexts[row] = []  # answered: release its text
+            if state.active:  # slots no live row holds (left padding of rows that finished) would be attended forever
+                unused = int(state.kv_valid.any(0).int().argmax())
+                if unused:
+                    state.cache.drop_front(unused)
+                    state.kv_valid = state.kv_valid[:, unused:]
     stats.total_s = clock(target.device) - t0
     return stats
 

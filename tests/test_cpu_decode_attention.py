@@ -1,6 +1,10 @@
 """The CPU one-pass decode attention (infer/kernels/cpu_decode_attention.py) against HF's SDPA function: every layout
 the answerer's cache hands it (prefix views of a buffer with spare slots, grouped heads, masked holes, a first block
-with nothing visible), its fallbacks, and greedy decoding with and without it."""
+with nothing visible), its fallbacks, and greedy decoding with and without it.
+
+Which loops run depends on the host: with AVX-512, head sizes 64 and 128 take the intrinsics; a head size of 48 takes
+the portable loops on every host (and every head size does where AVX-512 is missing), so both are tested wherever
+the suite runs AVX-512, and the portable one everywhere."""
 
 import pytest
 import torch
@@ -119,21 +123,65 @@ def test_turned_off_by_the_environment(monkeypatch):
         assert not on and model.config._attn_implementation == "sdpa"
 
 
-def test_greedy_decoding_is_unchanged_and_the_implementation_restored():
+def test_switched_on_only_for_a_cpu_model_on_sdpa_where_the_kernel_builds(monkeypatch):
+    eager = tiny_llama()
+    eager.set_attn_implementation("eager")
+    with cda.one_pass_decode(eager) as on:  # another implementation keeps its own numerics everywhere
+        assert not on and eager.config._attn_implementation == "eager"
+
+    class OnCuda:  # a CUDA model, simulated: only its device and config are read
+        device = torch.device("cuda")
+        config = tiny_llama().config
+
+    with cda.one_pass_decode(OnCuda()) as on:
+        assert not on
+    monkeypatch.setattr(cda, "_module", lambda: None)  # a host where the build failed
+    model = tiny_llama()
+    with cda.one_pass_decode(model) as on:
+        assert not on and model.config._attn_implementation == "sdpa"
+
+
+def test_a_failed_build_leaves_sdpa_and_says_why(monkeypatch, caplog):
+    import torch.utils.cpp_extension as ext
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(ext, "load_inline", no_compiler)
+    assert cda._module.__wrapped__() is None  # the uncached build
+    assert "could not be built (no compiler here)" in caplog.text
+
+
+def test_the_mask_rows_follow_the_mask_object():
+    first = _additive(torch.rand(3, 1, 1, 20) > 0.5, torch.bfloat16)
+    second = torch.rand(3, 1, 1, 20) > 0.5
+    rows = cda._mask_rows(first, 3)
+    assert cda._mask_rows(first, 3) is rows  # every layer of one forward: built once
+    assert torch.equal(rows, first[:, 0, 0].float())
+    fresh = cda._mask_rows(second, 3)  # the next forward's mask: built again
+    assert torch.equal(fresh == 0, second[:, 0, 0]) and cda._mask_rows(None, 3).numel() == 0
+
+
+def test_continuous_decoding_attends_through_it_and_gives_the_same_tokens(monkeypatch):
     target = TargetModel(tiny_llama(layers=2, seed=3))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (5, 17, 1, 40, 9, 23, 3)]
     params = SamplingParams(max_new_tokens=24)
 
-    def run() -> dict[int, list[int]]:
-        queue, done = list(enumerate(prompts)), {}
-        submit = lambda n: [queue.pop(0) for _ in range(min(n, len(queue)))]  # noqa: E731
-        decode_continuous(target, submit, done.__setitem__, params, eos_ids=(), batch_size=3, refill=1)
-        return done
+    def run() -> tuple[dict[int, list[int]], set[str]]:
+        queue, done, seen = list(enumerate(prompts)), {}, set()
 
-    plain = run()
-    with cda.one_pass_decode(target.model) as on:
-        assert on and target.model.config._attn_implementation == cda.NAME
-        fused = run()
-    assert target.model.config._attn_implementation == "sdpa"
+        def on_done(key, tokens):
+            seen.add(target.model.config._attn_implementation)
+            done[key] = tokens
+
+        submit = lambda n: [queue.pop(0) for _ in range(min(n, len(queue)))]  # noqa: E731
+        decode_continuous(target, submit, on_done, params, eos_ids=(), batch_size=3, refill=1)
+        return done, seen
+
+    fused, seen = run()
+    assert seen == {cda.NAME} and target.model.config._attn_implementation == "sdpa"  # restored after the loop
+    monkeypatch.setenv(cda.ENV_VAR, "0")
+    plain, seen = run()
+    assert seen == {"sdpa"}
     assert fused == plain and len(plain) == len(prompts)

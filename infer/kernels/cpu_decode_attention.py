@@ -14,8 +14,9 @@ query per row, a device other than the CPU, a dtype other than fp32 / bf16, a la
 or values not contiguous along the head dimension, a mask per head) or a model feature it lacks (a sliding window,
 logit soft-capping, attention sinks) goes to HF's SDPA function unchanged. The kernel is compiled on first use
 (torch's C++ extension loader, ``-O3 -march=native``, OpenMP) into torch's extension cache, named by a hash of its
-source and of this CPU's flags, so a cache shared by different CPUs never hands one a binary built for another;
-`available` says whether it could be built (a host without a compiler keeps the SDPA path). Accuracy: fp32 scores,
+source and of this CPU's flags, so a cache shared by different CPUs never hands one a binary built for another.
+`infer.continuous.decode_continuous` (every self-distillation path) serves its steps through it on the CPU
+(`one_pass_decode`); `available` says whether it could be built (a host without a compiler keeps the SDPA path). Accuracy: fp32 scores,
 softmax and sums, as SDPA keeps them; the output rounded once to the input dtype.
 """
 
@@ -271,6 +272,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_attention", &decode_att
 
 
 def _cpu_flags() -> str:
+    """The whole flags line: ``-march=native`` compiles for every flag, not only those the precision policy reads
+    (`models.precision.machine`)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:  # not Linux: the machine name stands in
@@ -325,17 +328,27 @@ def one_query_attention(
     query's dtype. Requires `available()`."""
     B, Hq, _, D = query.shape
     q = (query.reshape(B, Hq, D).float() * scaling).contiguous()
+    return _module().decode_attention(q, key, value, _mask_rows(mask, B)).to(query.dtype).unsqueeze(2)
+
+
+_last_mask: list = [None, None]
+"""The last mask seen and its rows: HF hands every layer of a forward the same mask object."""
+
+
+def _mask_rows(mask: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """mask [B or 1, 1, 1, S] (bool: True = may attend; or additive) → the kernel's fp32 additive [B, S] (empty: no
+    mask), built once per forward, not once per layer."""
     if mask is None:
-        m = torch.empty(0)
-    else:
+        return torch.empty(0)
+    if mask is not _last_mask[0]:
         m = mask[:, 0, -1, :]
         m = (
             torch.zeros(m.shape).masked_fill_(~m, torch.finfo(torch.float32).min)
             if m.dtype == torch.bool
             else m.float()
         )
-        m = m.expand(B, -1).contiguous()
-    return _module().decode_attention(q, key, value, m).to(query.dtype).unsqueeze(2)
+        _last_mask[:] = [mask, m.expand(batch, -1).contiguous()]
+    return _last_mask[1]
 
 
 def _kernel_reads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:

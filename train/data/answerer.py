@@ -39,7 +39,6 @@ import torch
 from tqdm.auto import tqdm
 
 from infer.continuous import decode_continuous
-from infer.kernels.cpu_decode_attention import one_pass_decode
 from infer.sampling import SamplingParams
 from infer.serving import prepare_target  # prepare_target: the entry points below
 from models.allocator import keep_freed_memory
@@ -218,8 +217,7 @@ def answer(
     )
     try:
         if mine:
-            with one_pass_decode(target.model):  # the batched step's attention in one read of the cache
-                decode_continuous(target, run.submit, run.on_done, params, stop, cfg.batch_size, cfg.refill)
+            decode_continuous(target, run.submit, run.on_done, params, stop, cfg.batch_size, cfg.refill)
     finally:  # a run stopped by Ctrl-C (or a crash) keeps its finished rows and still says how fast it went
         run.flush(1)
         bar.close()

@@ -39,7 +39,6 @@ from tqdm.auto import tqdm
 
 from eval.stdlib_corpus import split_files, stdlib_files
 from infer.continuous import decode_continuous
-from infer.kernels.cpu_decode_attention import one_pass_decode
 from infer.sampling import SamplingParams
 from infer.serving import prepare_target
 from models.target import TargetModel
@@ -254,8 +253,7 @@ def synthesize_requests(
     if len(rows) < count:
         # continuous batching: a request that ends frees its slot at once (a static batch waits for its longest,
         # which runs to the 128-token cap whenever one request does)
-        with one_pass_decode(target.model):  # the batched step's attention in one read of the cache
-            decode_continuous(target, submit, on_done, params, stop, cfg.batch_size)
+        decode_continuous(target, submit, on_done, params, stop, cfg.batch_size)
         if pending:
             flush()
         if len(rows) < count:

@@ -73,18 +73,21 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tiny_recipe, tmp_
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         try:
-            if json.loads((killed / "state" / "step.json").read_text())["step"] >= 4:
+            if json.loads((killed / "state" / "step.json").read_text())["step"] >= 2:
                 break
         except (OSError, ValueError):
             pass
-        time.sleep(0.05)
+        time.sleep(0.01)
+    # Frozen before the check: a tiny run saves several steps between two polls and could end between the check
+    # and the kill; stopped, it cannot, and the kill lands wherever it stands, a save cut short included.
+    proc.send_signal(signal.SIGSTOP)
     assert proc.poll() is None, "the run ended before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert not (killed / "config.json").exists()  # it died before the end
     printed = run_to_end("mtp.py", mtp_args(tiny_recipe, killed, *common))
     resumed = int(printed.split("resumed at step ")[1].split()[0])  # it resumed, not restarted
-    assert 4 <= resumed < 8
+    assert 2 <= resumed < 8
 
     a, b = load_file(str(whole / "model.safetensors")), load_file(str(killed / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -259,10 +259,10 @@ def report_proposers(drafter: Eagle3Drafter, settings: ReportSettings, size: Cha
 def step_timings(drafter: Eagle3Drafter, target: TargetModel, context_len: int, reps: int) -> dict[str, float]:
     """Median seconds of one drafter step (1 new token after ``context_len`` cached pairs), by path: the module's own
     ``step`` and the fused one (`FusedStep`)."""
-    cfg = drafter.config
-    kv = torch.randn(1, cfg.num_key_value_heads, context_len, cfg.head_dim)
+    cfg, dtype = drafter.config, drafter.fc.weight.dtype
+    kv = torch.randn(1, cfg.num_key_value_heads, context_len, cfg.head_dim, dtype=dtype)
     args = (
-        torch.randn(1, 1, cfg.hidden_size),
+        torch.randn(1, 1, cfg.hidden_size, dtype=dtype),
         torch.tensor([[1]]),
         torch.tensor([[context_len]]),
         torch.ones(1, 1, context_len + 1, dtype=torch.bool),

@@ -96,11 +96,12 @@ def served(target: TargetModel, make: Callable[[], Proposer], tokenizer, prompts
 
 def checkpoint_of(entry: TrainingEntry, path: Path, target: TargetModel, tokenizer) -> torch.nn.Module:
     """The drafter at ``path``, which must be of the recipe's family: its held-out evaluation runs the recipe's
-    own loss on it."""
+    own loss on it. In fp32 whatever dtype the loader serves it in (its target's): the loss runs under the recipe's
+    mixed precision, as in training, and every row of a curve is measured alike."""
     drafter = load_drafter(path, target, tokenizer)
     if family_of(drafter) is not entry.family:
         raise SystemExit(f"{path}: a {family_of(drafter).method} drafter; the recipe trains {entry.family.method}")
-    return drafter
+    return drafter.float()
 
 
 def draw(rows: list[dict], out: Path) -> None:

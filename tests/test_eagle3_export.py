@@ -180,6 +180,40 @@ def test_own_format_round_trips_bit_exactly(trained_like):
     assert loaded.config == drafter.config and loaded.target_info == drafter.target_info
 
 
+def test_loading_places_the_drafter_in_its_targets_dtype_with_fp32_rotary(trained_like):
+    """Served in a bf16 target's dtype, as the other families and the engines serve a drafter: every weight is the
+    checkpoint's rounded to bf16, the rotary frequencies stay fp32, and a draft step agrees with the fp32 one to bf16
+    rounding; the training path continues from fp32 weights."""
+    target, drafter, path = trained_like
+    bf16_target = TargetModel(
+        _tiny_target().model.to(torch.bfloat16), aux_layer_ids=[0, 1, 2], name_or_path="tiny-target"
+    )
+    served = Eagle3Drafter.from_pretrained(path, bf16_target)
+    fp32 = Eagle3Drafter.from_pretrained(path, target)
+    for (name, p), q in zip(served.named_parameters(), fp32.parameters()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q.to(torch.bfloat16)), name
+    assert served.d2t.dtype == torch.long and served.t2d.dtype == torch.bool and torch.equal(served.d2t, drafter.d2t)
+    assert served.rotary.inv_freq.dtype == torch.float32 and torch.equal(served.rotary.inv_freq, fp32.rotary.inv_freq)
+
+    torch.manual_seed(2)
+    m, slots = 3, 5
+    hidden, ids = torch.randn(1, m, 32), torch.randint(0, 64, (1, m))
+    positions = torch.arange(slots, slots + m)[None] + 200  # far along, where bf16 angles would have drifted
+    allowed = torch.ones(1, m, slots + m, dtype=torch.bool)
+    keys, values = torch.randn(1, 2, slots, 8), torch.randn(1, 2, slots, 8)
+    with torch.inference_mode():
+        a = fp32.step(hidden, ids, positions, allowed, keys, values)
+        b = served.step(hidden.bfloat16(), ids, positions, allowed, keys.bfloat16(), values.bfloat16())
+    assert b.logits.dtype == torch.bfloat16
+    assert torch.allclose(b.logits.float(), a.logits, atol=0.1 * a.logits.abs().max().item())
+    assert torch.allclose(b.keys.float(), a.keys, atol=0.05 * a.keys.abs().max().item())
+    assert (
+        float(served.fc.weight.detach().float().sub(fp32.fc.weight.detach()).abs().max()) > 0
+    )  # it did round: the test can fail
+
+    assert Eagle3Drafter.from_pretrained(path, bf16_target).float().fc.weight.dtype == torch.float32
+
+
 def test_loading_refuses_a_mismatching_target_before_reading_weights(trained_like, tmp_path):
     _, _, path = trained_like
     # only the config: a check that needed weights would fail with a file error instead of the mismatch

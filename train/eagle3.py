@@ -127,7 +127,8 @@ def build_drafter(cfg: Eagle3RecipeConfig, loaded: TargetAndData, log) -> Eagle3
     target, tokenizer, eval_set = loaded.target, loaded.tokenizer, loaded.eval_set
     if cfg.drafter.init_from:
         log(f"drafter: fine-tuning {cfg.drafter.init_from} (weights and draft vocabulary reused)")
-        return Eagle3Drafter.from_pretrained(cfg.drafter.init_from, target, tokenizer)
+        # fp32 weights to train, as a fresh drafter's (the loader places a drafter in the target's dtype)
+        return Eagle3Drafter.from_pretrained(cfg.drafter.init_from, target, tokenizer).float()
     drafter = Eagle3Drafter.from_target(
         target, cfg.drafter.draft_vocab_size, tokenizer, norm_before_fc=cfg.drafter.norm_before_fc
     )
@@ -307,14 +308,14 @@ def main(argv: list[str]) -> None:
 
     # ---- save: resumable state, own-format checkpoint, engine exports
     model = accelerator.unwrap_model(plan.model)
-    model = save_drafter(accelerator, tc, plan, model, Eagle3Drafter, loaded, done, t_start, log, save_exports)
+    save_drafter(accelerator, tc, plan, model, Eagle3Drafter, loaded, done, t_start, log, save_exports)
     if not accelerator.is_main_process:
         return
 
     # ---- report: τ and speedup in the verify runtime on held-out prompts
     world = accelerator.num_processes
     notes = f"Drafter trained {done.steps} steps ({done.train_seconds / 60:.1f} min, world {world})."
-    report_drafter(cfg, loaded, model, Eagle3Drafter, notes, log)
+    report_drafter(cfg, loaded, Eagle3Drafter, notes, log)
 
 
 if __name__ == "__main__":

@@ -84,18 +84,19 @@ def exit_rank() -> None:
 def report_drafter(
     cfg,
     loaded: TargetAndData,
-    drafter: torch.nn.Module,
     drafter_cls: type,
     notes: str,
     log: Callable[[str], None],
     joint: bool = False,
 ) -> None:
     """The closing report of a recipe with ``target``, ``train`` and ``report`` sections, when ``report.enabled``:
-    τ and speedup in the verify runtime on held-out prompts, a jointly trained target (``joint``) and its drafter
-    read back as they will be served. Main process only."""
+    τ and speedup in the verify runtime on held-out prompts, the drafter (and a jointly trained target, ``joint``)
+    read back as they will be served: in the target's dtype, where training kept fp32 weights. Main process only."""
     if not cfg.report.enabled:
         return
     out, target = Path(cfg.train.output_dir), loaded.target
     if joint:
         target, drafter = served(out, cfg.target, drafter_cls, loaded.tokenizer)
+    else:
+        drafter = drafter_cls.from_pretrained(out, target, loaded.tokenizer)
     run_report(target, drafter, loaded.tokenizer, cfg.report, out, loaded.eval_set, notes=notes, log=log)

@@ -248,13 +248,13 @@ def main(argv: list[str]) -> None:
 
     # ---- save: checkpoint with its static tree, resumable state, the target's changes (Medusa-2), engine exports
     set_static_tree(heads, done.last_eval, log)
-    heads = save_drafter(accelerator, tc, plan, heads, MedusaDrafter, loaded, done, t_start, log, save_exports, joint)
+    save_drafter(accelerator, tc, plan, heads, MedusaDrafter, loaded, done, t_start, log, save_exports, joint)
     if not accelerator.is_main_process:
         return
     notes = report_notes(joint, done, before, accelerator.num_processes, log)
 
     # ---- report: τ and speedup in the verify runtime on held-out prompts (a joint target as it will be served)
-    report_drafter(cfg, loaded, heads, MedusaDrafter, notes, log, joint)
+    report_drafter(cfg, loaded, MedusaDrafter, notes, log, joint)
 
 
 if __name__ == "__main__":

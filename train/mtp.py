@@ -286,14 +286,14 @@ def main(argv: list[str]) -> None:
     done = train_positions(accelerator, tc, task, plan, lengths, log, joint_run, eval_set is not None)
 
     # ---- save: resumable state, the target's changes (joint), checkpoint, engine exports
-    drafter = save_drafter(accelerator, tc, plan, drafter, MTPDrafter, loaded, done, t_start, log, save_exports, joint)
+    save_drafter(accelerator, tc, plan, drafter, MTPDrafter, loaded, done, t_start, log, save_exports, joint)
     if not accelerator.is_main_process:
         return
     notes = report_notes(cfg, done, before, accelerator.num_processes)
     log(notes)
 
     # ---- report: τ and speedup in the verify runtime on held-out prompts (a joint target as it will be served)
-    report_drafter(cfg, loaded, drafter, MTPDrafter, notes, log, joint)
+    report_drafter(cfg, loaded, MTPDrafter, notes, log, joint)
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ TIE = 0.03
 DEFAULT_ACCEPTANCE = (0.6, 0.5, 0.45, 0.4, 0.4, 0.4, 0.4)
 """Conditional acceptance per draft depth assumed for serving when the drafter's own is not known yet: about what a
 trained EAGLE-3 reaches on its own data (the shipped one's held-out TTT accuracy is 0.45 / 0.38 / 0.36 / 0.33)."""
-CURVES_VERSION = 2
-"""2: serving curves timed through the runtime's forward on a full-depth probe (1: extrapolated from 1 and 8 layers)."""
+CURVES_VERSION = 3
+"""3: the runtime's forward routes bf16 layers too, and to oneDNN's packed weights (infer/kernels/cpu_linear.py);
+2: serving curves timed through the runtime's forward on a full-depth probe; 1: extrapolated from 1 and 8 layers."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The CPU small-row linear routing (infer/kernels/cpu_linear.py)."""
 
+import copy
+
 import torch
 
 from infer.generate import generate_speculative, generate_vanilla
@@ -86,3 +88,54 @@ def test_install_measures_once_and_keeps_greedy_decoding_identical(tiny_target, 
         assert spec.tokens == before
     finally:  # tiny_target is shared by other tests: restore the plain modules
         cpu_linear.uninstall(tiny_target.model)
+
+
+def test_the_packed_layout_in_both_dtypes_follows_its_weight_and_is_dropped_by_uninstall():
+    """oneDNN's packed weight: the plain result in fp32 and bf16 up to rounding, for batched rows too (a bucket of
+    128), rebuilt when the weight changes in place, and gone after `uninstall`."""
+    torch.manual_seed(0)
+    packed = ("packed",) * len(cpu_linear.BUCKETS)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        lin = torch.nn.Linear(64, 96, bias=True).to(dtype)
+        for rows in (1, 4, 96):
+            x = torch.randn(rows, 64, dtype=dtype)
+            with torch.no_grad():
+                routed = cpu_linear.small_rows_linear(lin, x, packed)
+                plain = torch.nn.functional.linear(x, lin.weight, lin.bias)
+            assert routed.dtype == dtype and routed.shape == plain.shape
+            torch.testing.assert_close(routed.float(), plain.float(), rtol=tol, atol=tol)
+        with torch.no_grad():
+            lin.weight.mul_(-2.0)
+            x = torch.randn(3, 64, dtype=dtype)
+            torch.testing.assert_close(
+                cpu_linear.small_rows_linear(lin, x, packed).float(),
+                torch.nn.functional.linear(x, lin.weight, lin.bias).float(),
+                rtol=tol,
+                atol=tol,
+            )
+    model = torch.nn.Sequential(lin)
+    model._drafters_cpu_linear = {}
+    assert "packed" in lin.__dict__["_drafters_weights"]
+    replica = copy.deepcopy(model)  # a replica in another dtype (the fp32 certificate) copies none of it
+    assert not replica[0].__dict__["_drafters_weights"] and torch.equal(replica[0].weight, lin.weight)
+    cpu_linear.uninstall(model)
+    assert "_drafters_weights" not in lin.__dict__
+
+
+def test_install_routes_bf16_layers(monkeypatch):
+    """bf16 layers are measured and routed as fp32 ones are (fp16 ones are left alone)."""
+    monkeypatch.setattr(cpu_linear, "MEASURED", {})
+    monkeypatch.setattr(cpu_linear, "choose_layouts", lambda w, reps=3: ("packed",) * len(cpu_linear.BUCKETS))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16).bfloat16(), torch.nn.Linear(16, 8).half())
+    choices = cpu_linear.install(model, log=lambda m: None)
+    assert list(choices) == [(16, 8)]
+    assert "forward" in model[0].__dict__ and "forward" not in model[1].__dict__
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model[0](x).float(),
+            torch.nn.functional.linear(x, model[0].weight, model[0].bias).float(),
+            rtol=1e-2,
+            atol=1e-2,
+        )
+    cpu_linear.uninstall(model)

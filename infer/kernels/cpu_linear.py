@@ -1,4 +1,4 @@
-"""Small-row linear layers on the CPU, with the fastest of three fp32 matmul layouts chosen by measurement.
+"""Small-row linear layers on the CPU, with the fastest of four matmul layouts chosen by measurement.
 
 Decode and verification multiply a few rows (1 token, or a draft tree of 2–16) by every weight matrix of the target.
 On this project's CPU (AMD EPYC, AVX2, 2 threads, MKL) ``F.linear`` with 2–4 rows cost ~2x one row (one row takes a
@@ -15,14 +15,22 @@ F.linear, 65 ms routed without them, 52 ms with them; 1 token 46 ms):
 - layouts are timed on more weight copies than the L3 cache holds, so each call streams its weight from memory as
   it does in a 538 MB model (one warm copy favoured layouts that lose inside the model).
 
-All layouts compute the same dot products; only the summation order inside MKL differs (~1e-7 relative), which is
-the rounding-level difference DESIGN.md §7 already allows between vanilla decoding and tree verification. Vanilla
-decoding and HF generate run through the same routed modules, so the baseline gains as much as it can.
+The fourth layout hands the weight to oneDNN once in its own blocked layout (``packed``), where ``F.linear`` lets
+oneDNN (bf16) or MKL (fp32) take the plain weight on every call. On the 2-core AVX-512-BF16 EPYC, SmolLM2's 1536 x 576
+weight streamed from memory (the median of a pass over 40 copies): bf16 71.5 → 43.0 µs at 1 row, 72.4 → 46.5 at 4, 96.5
+→ 72.6 at 16, 243.7 → 207.7 at 96 (bit-identical results); fp32 219 → 74 µs at 1 row and 1,231 → 519 at 128. bf16
+layers are routed as fp32 ones are, and the buckets reach 128 rows for batched decoding (self-distillation).
+
+All layouts compute the same dot products; only the summation order inside the library differs (~1e-7 relative in
+fp32), which is the rounding-level difference DESIGN.md §7 already allows between vanilla decoding and tree
+verification. Vanilla decoding and HF generate run through the same routed modules, so the baseline gains as much as
+it can.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,17 +39,21 @@ from torch import nn
 from infer.kernels.shape_invariant import rows_of
 from models.timing import best_of
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-"""Row counts timed; a call with m rows uses the choice of the smallest bucket >= m (more rows: F.linear). 32 and 64
-are batched decoding (self-distillation): measured here, ``W @ xᵀ`` ran SmolLM2's 1536 x 576 weight at 53 / 65
-GFLOP/s against F.linear's 36 / 47 at 32 / 64 rows."""
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+"""Row counts timed; a call with m rows uses the choice of the smallest bucket >= m (more rows: F.linear). 32 to 128
+are batched decoding (self-distillation, 96 rows by default): measured on the AVX2 EPYC, ``W @ xᵀ`` ran SmolLM2's
+1536 x 576 fp32 weight at 53 / 65 GFLOP/s against F.linear's 36 / 47 at 32 / 64 rows."""
 PAD_UP_TO = 16
 """Up to this bucket a call's rows are zero-padded to the bucket (odd small row counts measured slower); above it
 only where the bucket's choice says ``@<rows>``: padding 33 rows to 64 would double the work."""
 
 
-LAYOUTS = ("linear", "w_x", "x_wt")
-"""``F.linear(x, W)``; ``(W @ xᵀ)ᵀ``; ``x @ Wᵀ`` with Wᵀ kept contiguous (a transposed copy of W, made once)."""
+LAYOUTS = ("linear", "w_x", "x_wt", "packed")
+"""``F.linear(x, W)``; ``(W @ xᵀ)ᵀ``; ``x @ Wᵀ`` with Wᵀ kept contiguous (a transposed copy of W, made once); oneDNN's
+matmul on W reordered once into its blocked layout (``packed``, where torch has oneDNN)."""
+PACK_ROWS = 64
+"""The row count oneDNN lays the packed weight out for; measured here, a weight packed for 96 rows ran 1 to 64 rows as
+fast as one packed for each (within 3 %)."""
 
 
 COLD_BYTES = 64 << 20
@@ -61,6 +73,7 @@ def choose_layouts(weight: torch.Tensor, reps: int = 3) -> tuple[str, ...]:
     n = min(MAX_COPIES, max(1, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
     copies = [weight.clone() for _ in range(n)]
     transposed = [w.t().contiguous() for w in copies]
+    packed = [pack(w) for w in copies] if torch.backends.mkldnn.is_available() else []
     out = []
     for m in BUCKETS:
         x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
@@ -69,6 +82,8 @@ def choose_layouts(weight: torch.Tensor, reps: int = 3) -> tuple[str, ...]:
             "w_x": lambda x=x: [torch.mm(w, x.t()).t().contiguous() for w in copies],
             "x_wt": lambda x=x: [torch.mm(x, wt) for wt in transposed],
         }
+        if packed:
+            calls["packed"] = lambda x=x: [packed_matmul(x, p) for p in packed]
         times = {name: best_of(fn, reps).best for name, fn in calls.items()}
         best = min(times, key=times.get)
         chosen = best if times[best] < 0.95 * times["linear"] else "linear"
@@ -87,17 +102,36 @@ def lower_envelope(per_bucket: list[tuple[str, float]]) -> tuple[str, ...]:
     return tuple(choice)
 
 
-def _transposed(module: nn.Linear) -> torch.Tensor:
-    """Wᵀ contiguous, rebuilt whenever the weight changed in place (its version counter moved) or was replaced."""
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] reordered once into oneDNN's blocked layout (an opaque tensor for `packed_matmul`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x`` [m, K] (row-major) times the packed weight's transpose: [m, N]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+class WeightCache(dict):
+    """A routed module's copies of its weight in other layouts (Wᵀ, the packed weight), by name: (weight version,
+    tensor). A deep copy of the module (a replica in another dtype) starts without them and builds its own: an opaque
+    oneDNN tensor cannot be copied, and a replica's weights are new tensors anyway."""
+
+    def __deepcopy__(self, memo: dict) -> WeightCache:
+        return WeightCache()
+
+
+def _cached(module: nn.Linear, name: str, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``make(weight)`` kept on the module, rebuilt whenever the weight changed in place (its version counter moved)
+    or was replaced."""
     w = module.weight
     # a weight made under inference_mode (a proposer's fused snapshot built inside a decode) has no version counter;
     # it can only change in place inside inference_mode, which no caller does to weights, so its storage names it
     version = (w.data_ptr(), None if w.is_inference() else w._version)
-    cached = module.__dict__.get("_drafters_wt")
-    if cached is None or cached[0] != version:
-        cached = (version, w.detach().t().contiguous())
-        module.__dict__["_drafters_wt"] = cached
-    return cached[1]
+    cache = module.__dict__.setdefault("_drafters_weights", WeightCache())
+    if name not in cache or cache[name][0] != version:
+        cache[name] = (version, make(w.detach()))
+    return cache[name][1]
 
 
 def small_rows_linear(module: nn.Linear, x: torch.Tensor, layouts: tuple[str, ...]) -> torch.Tensor:
@@ -121,12 +155,17 @@ def small_rows_linear(module: nn.Linear, x: torch.Tensor, layouts: tuple[str, ..
         y = F.linear(flat, module.weight)[:rows]
     elif layout == "w_x":
         y = torch.mm(module.weight, flat.t()).t()[:rows].contiguous()
+    elif layout == "packed":
+        y = packed_matmul(flat, _cached(module, "packed", pack))[:rows]
     else:
-        y = torch.mm(flat, _transposed(module))[:rows]
+        y = torch.mm(flat, _cached(module, "wt", lambda w: w.t().contiguous()))[:rows]
     if module.bias is not None:
         y = y + module.bias
     return y.reshape(*x.shape[:-1], module.weight.shape[0])
 
+
+ROUTED_DTYPES = (torch.float32, torch.bfloat16)
+"""Weight dtypes whose layers are routed (fp16 matmuls on the CPU are not this project's serving path)."""
 
 MEASURED: dict[tuple[tuple[int, int], torch.dtype], tuple[str, ...]] = {}
 """Layout choice per (weight shape, dtype) measured in this process (proposers build a fresh drafter snapshot per
@@ -134,7 +173,7 @@ generate call, which would otherwise time the same shapes again on every call)."
 
 
 def install(model: nn.Module, log=print) -> dict[tuple[int, int], tuple[str, ...]]:
-    """Time the layouts for each weight shape of ``model``'s fp32 CPU Linear layers and route their inference
+    """Time the layouts for each weight shape of ``model``'s fp32 and bf16 CPU Linear layers and route their inference
     calls accordingly. Returns the choice per shape and bucket. A second call on the same model returns the first
     call's choices without timing again."""
     if getattr(model, "_drafters_cpu_linear", None) is not None:
@@ -145,7 +184,7 @@ def install(model: nn.Module, log=print) -> dict[tuple[int, int], tuple[str, ...
     for module in model.modules():
         if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
             continue
-        if module.weight.dtype != torch.float32:
+        if module.weight.dtype not in ROUTED_DTYPES:
             continue
         shape = tuple(module.weight.shape)
         if shape not in choices:
@@ -174,4 +213,4 @@ def uninstall(model: nn.Module) -> None:
             module.__dict__.pop("forward", None)
     model.__dict__.pop("_drafters_cpu_linear", None)
     for module in model.modules():
-        module.__dict__.pop("_drafters_wt", None)
+        module.__dict__.pop("_drafters_weights", None)

@@ -95,7 +95,9 @@ def test_the_packed_layout_in_both_dtypes_follows_its_weight_and_is_dropped_by_u
     128), rebuilt when the weight changes in place, and gone after `uninstall`."""
     torch.manual_seed(0)
     packed = ("packed",) * len(cpu_linear.BUCKETS)
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+    # bf16 only where oneDNN packs it (AVX-512 or AVX-NE-CONVERT); the other branch is simulated below, on every host
+    dtypes = [(torch.float32, 1e-5)] + [(torch.bfloat16, 1e-2)] * cpu_linear.packs(torch.bfloat16)
+    for dtype, tol in dtypes:
         lin = torch.nn.Linear(64, 96, bias=True).to(dtype)
         for rows in (1, 4, 96):
             x = torch.randn(rows, 64, dtype=dtype)
@@ -125,7 +127,8 @@ def test_the_packed_layout_in_both_dtypes_follows_its_weight_and_is_dropped_by_u
 def test_install_routes_bf16_layers(monkeypatch):
     """bf16 layers are measured and routed as fp32 ones are (fp16 ones are left alone)."""
     monkeypatch.setattr(cpu_linear, "MEASURED", {})
-    monkeypatch.setattr(cpu_linear, "choose_layouts", lambda w, reps=3: ("packed",) * len(cpu_linear.BUCKETS))
+    # x_wt: a layout every CPU runs in bf16 (packing bf16 needs AVX-512, see below)
+    monkeypatch.setattr(cpu_linear, "choose_layouts", lambda w, reps=3: ("x_wt",) * len(cpu_linear.BUCKETS))
     model = torch.nn.Sequential(torch.nn.Linear(8, 16).bfloat16(), torch.nn.Linear(16, 8).half())
     choices = cpu_linear.install(model, log=lambda m: None)
     assert list(choices) == [(16, 8)]
@@ -139,3 +142,21 @@ def test_install_routes_bf16_layers(monkeypatch):
             atol=1e-2,
         )
     cpu_linear.uninstall(model)
+
+
+def test_a_cpu_that_cannot_pack_bf16_times_the_other_layouts_only(monkeypatch):
+    """On an AVX2-only CPU oneDNN's bf16 reorder raises: `packs` says no there, and the bf16 race leaves the packed
+    layout out (its pack is never called) while fp32 keeps it."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert not cpu_linear.packs(torch.bfloat16) and cpu_linear.packs(torch.float32)
+
+    def refuse(weight):
+        raise RuntimeError("bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq")
+
+    monkeypatch.setattr(cpu_linear, "pack", lambda w: refuse(w) if w.dtype == torch.bfloat16 else torch.zeros(()))
+    monkeypatch.setattr(cpu_linear, "packed_matmul", lambda x, p: torch.zeros(x.shape[0], 8, dtype=x.dtype))
+    monkeypatch.setattr(cpu_linear, "MAX_COPIES", 2)
+    chosen = cpu_linear.choose_layouts(torch.randn(8, 16).bfloat16(), reps=1)
+    assert len(chosen) == len(cpu_linear.BUCKETS) and not any(c.startswith("packed") for c in chosen)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert cpu_linear.packs(torch.bfloat16)

@@ -50,7 +50,7 @@ only where the bucket's choice says ``@<rows>``: padding 33 rows to 64 would dou
 
 LAYOUTS = ("linear", "w_x", "x_wt", "packed")
 """``F.linear(x, W)``; ``(W @ xᵀ)ᵀ``; ``x @ Wᵀ`` with Wᵀ kept contiguous (a transposed copy of W, made once); oneDNN's
-matmul on W reordered once into its blocked layout (``packed``, where torch has oneDNN)."""
+matmul on W reordered once into its blocked layout (``packed``, where oneDNN can pack the weight's dtype: `packs`)."""
 PACK_ROWS = 64
 """The row count oneDNN lays the packed weight out for; measured here, a weight packed for 96 rows ran 1 to 64 rows as
 fast as one packed for each (within 3 %)."""
@@ -73,7 +73,7 @@ def choose_layouts(weight: torch.Tensor, reps: int = 3) -> tuple[str, ...]:
     n = min(MAX_COPIES, max(1, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
     copies = [weight.clone() for _ in range(n)]
     transposed = [w.t().contiguous() for w in copies]
-    packed = [pack(w) for w in copies] if torch.backends.mkldnn.is_available() else []
+    packed = [pack(w) for w in copies] if packs(weight.dtype) else []
     out = []
     for m in BUCKETS:
         x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
@@ -100,6 +100,14 @@ def lower_envelope(per_bucket: list[tuple[str, float]]) -> tuple[str, ...]:
         faster = j != i and per_bucket[j][1] < 0.95 * seconds
         choice.append(f"{per_bucket[j][0]}@{BUCKETS[j]}" if faster else layout)
     return tuple(choice)
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack a weight of ``dtype`` here: bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which an
+    AVX2-only CPU lacks (its reorder raises there), so the layout is not timed for bf16 on such a CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -136,7 +136,9 @@ def _cached(module: nn.Linear, name: str, make: Callable[[torch.Tensor], torch.T
     # a weight made under inference_mode (a proposer's fused snapshot built inside a decode) has no version counter;
     # it can only change in place inside inference_mode, which no caller does to weights, so its storage names it
     version = (w.data_ptr(), None if w.is_inference() else w._version)
-    cache = module.__dict__.setdefault("_drafters_weights", WeightCache())
+    cache = module.__dict__.get("_drafters_weights")
+    if cache is None:  # not setdefault: that would build an empty cache on every call of the decode loop
+        cache = module.__dict__["_drafters_weights"] = WeightCache()
     if name not in cache or cache[name][0] != version:
         cache[name] = (version, make(w.detach()))
     return cache[name][1]

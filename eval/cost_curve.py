@@ -27,7 +27,7 @@ from infer.generate import VANILLA_LOOPS, generate_speculative, generate_vanilla
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
 from infer.serving import loop_context
-from infer.stats import depth_tallies
+from infer.stats import GenerationStats, depth_tallies
 from infer.tree_search import DynamicTreeConfig
 from models.acceptance import expected_tokens
 from models.target import TargetModel
@@ -55,9 +55,49 @@ positions than any pilot (64 held-out samples of a few hundred tokens), but unde
 data, not in served decoding on the report's prompts; so it anchors a small pilot and a pilot of a few hundred
 attempts per depth overrides it."""
 
-PILOT_PROMPTS, PILOT_TOKENS = 4, 96
-"""The pilot run that sizes a chain: 4 prompts x up to 96 tokens (a 2 x 64 pilot gave α 0.26 0.42 0.10 1.00 0.00
-on the shipped EAGLE-3, i.e. noise, and picked chain 1 on a flat verify curve)."""
+PILOT_PROMPTS, PILOT_TOKENS = 6, 96
+"""The pilot run that sizes a chain or a tree: 6 prompts (`pilot_prompts`: spread over the file, one per Spec-Bench
+family where the file lists its families in blocks) x up to 96 tokens. A 2 x 64 pilot gave α 0.26 0.42 0.10 1.00
+0.00 on the shipped EAGLE-3, i.e. noise, and picked chain 1 on a flat verify curve; a pilot of a file's first 4
+prompts read four MT-Bench questions only and overshot the measured τ of the tree it chose (2.58 against 2.23)."""
+
+
+def pilot_prompts(prompts: list[list[int]], n: int = PILOT_PROMPTS) -> list[list[int]]:
+    """``n`` prompts spread evenly over ``prompts`` (every one where there are no more than ``n``). Spec-Bench files
+    list their families in blocks of equal size, so the file's first prompts are one family's and the spread takes
+    one of each; a shuffled file gives a spread as good as any other."""
+    if len(prompts) <= n:
+        return list(prompts)
+    return [prompts[i * len(prompts) // n] for i in range(n)]
+
+
+def pilot_context(prompts: list[list[int]]) -> list[int]:
+    """The context a sizing times its verify curve after: the pilot prompt of median length. Attention's share of a
+    forward grows with the context, so a file's first prompt (a one-line question where the file opens with chat,
+    a document where it opens with summaries) would time a step the run rarely takes."""
+    pilot = sorted(pilot_prompts(prompts), key=len)
+    return pilot[(len(pilot) - 1) // 2]
+
+
+def paired_choice(per_prompt: dict[str, list[float]]) -> str:
+    """The setting a sizing keeps, from each setting's predicted rate on each pilot prompt (settings in order of
+    cost, smallest first; every list over the same prompts). The smallest setting is kept unless a larger one's
+    paired gain over it, ``rate_larger / rate_kept - 1`` per prompt, has a mean above one standard error of that
+    mean; a setting that clears the bar becomes the one kept, and the next larger is judged against it. A pilot of a
+    few prompts cannot separate settings whose rates differ by a few per cent (a pooled 1.59x against 1.55x was
+    measured 1.12x against a better smaller tree), and a larger tree costs more where the pilot erred."""
+    names = list(per_prompt)
+    kept = names[0]
+    for name in names[1:]:
+        gains = [b / a - 1.0 for a, b in zip(per_prompt[kept], per_prompt[name])]
+        if len(gains) < 2:
+            if gains and gains[0] > 0:
+                kept = name
+            continue
+        mean = statistics.fmean(gains)
+        if mean > statistics.stdev(gains) / len(gains) ** 0.5:
+            kept = name
+    return kept
 
 
 def shrunk_alpha(
@@ -154,7 +194,7 @@ def size_chain(
     the predicted speedup is then over the faster vanilla step of the two, as the measurement's is."""
     stats = [
         generate_speculative(target, make(max_k), [p], SamplingParams(max_new_tokens=PILOT_TOKENS), eos_ids).stats
-        for p in prompts[:PILOT_PROMPTS]
+        for p in pilot_prompts(prompts)
     ]
     rounds = max(1, sum(s.rounds for s in stats))
     acc, att = depth_tallies(stats, max_k)
@@ -162,8 +202,9 @@ def size_chain(
     draft_step = sum(s.draft_s for s in stats) / rounds / max_k
     overhead = sum(s.bookkeeping_s for s in stats) / rounds
     aux = make(1).signal is TargetSignal.AUX
-    curve, vanilla_step = step_costs(target, prompts[0], tuple(range(1, max_k + 2)), SIZING_REPS, aux)
-    curve, vanilla_step = fitted_costs(curve, _fastest_vanilla(vanilla_step, baseline, prompts[0]))
+    context = pilot_context(prompts)
+    curve, vanilla_step = step_costs(target, context, tuple(range(1, max_k + 2)), SIZING_REPS, aux)
+    curve, vanilla_step = fitted_costs(curve, _fastest_vanilla(vanilla_step, baseline, context))
     k, rates = best_chain_length(alpha, draft_step, curve, overhead)
     sizing = ChainSizing(k, alpha, att, prior, prior_samples, draft_step, overhead, curve, rates, vanilla_step)
     log(f"cost curve: {sizing.account()}")
@@ -197,13 +238,18 @@ class TreeSizing:
     vanilla_step_s: float
     verify_s: dict[int, float]
     """The verify-cost curve the settings were rated on (seconds by node count)."""
+    per_prompt: dict[str, list[float]]
+    """Predicted tokens/s by setting name on each pilot prompt: what `paired_choice` judged."""
+    grid: tuple[DynamicTreeConfig, ...]
+    """The settings judged, smallest first."""
 
     def predicted_speedup(self, name: str) -> float | None:
         return self.rates[name] * self.vanilla_step_s if name in self.rates else None
 
     def account(self) -> str:
         return (
-            f"tree {tree_name(self.tree)} (pilot τ / predicted speedup "
+            f"tree {tree_name(self.tree)}, the smallest no larger one beat by more than the pilot's spread (pilot τ / "
+            "predicted speedup "
             + ", ".join(f"{n}: {self.tau[n]:.2f} / {self.predicted_speedup(n):.2f}" for n in self.rates)
             + ")"
         )
@@ -220,27 +266,38 @@ def size_tree(
 ) -> TreeSizing:
     """Pick an EAGLE-2 tree (top-k, depth, total tokens) on this machine: for each setting of ``grid``, a pilot of
     `PILOT_PROMPTS` x `PILOT_TOKENS` gives τ and the draft and bookkeeping cost per round, and one verify curve over
-    the grid's node counts (`step_costs`, read through `fitted_costs`) its verify time here; the setting with the best
-    predicted tokens/s wins. ``baseline``: as in `size_chain`. τ of a whole tree is
-    pooled over every round of the pilot, so it is steadier than the per-depth rates a chain is sized from."""
+    the grid's node counts (`step_costs`, read through `fitted_costs`) its verify time here. The settings are judged
+    smallest first, each pilot prompt's predicted tokens/s paired across them (`paired_choice`): a larger tree wins
+    only where its gain clears the pilot's own spread. ``baseline``: as in `size_chain`. τ of a whole tree is pooled
+    over every round of the pilot, so it is steadier than the per-depth rates a chain is sized from."""
     signal = make(grid[0]).signal
     sizes = tuple(sorted({1, *(g.total_tokens for g in grid)}))
-    curve, vanilla_step = step_costs(target, prompts[0], sizes, SIZING_REPS, signal is TargetSignal.AUX)
-    curve, vanilla_step = fitted_costs(curve, _fastest_vanilla(vanilla_step, baseline, prompts[0]))
-    taus, rates = {}, {}
+    context = pilot_context(prompts)
+    curve, vanilla_step = step_costs(target, context, sizes, SIZING_REPS, signal is TargetSignal.AUX)
+    curve, vanilla_step = fitted_costs(curve, _fastest_vanilla(vanilla_step, baseline, context))
+    taus, rates, per_prompt = {}, {}, {}
+    grid = tuple(sorted(grid, key=lambda g: (g.total_tokens, g.depth, g.top_k)))
     for tree in grid:
         stats = [
             generate_speculative(target, make(tree), [p], SamplingParams(max_new_tokens=PILOT_TOKENS), eos_ids).stats
-            for p in prompts[:PILOT_PROMPTS]
+            for p in pilot_prompts(prompts)
         ]
-        rounds = max(1, sum(s.rounds for s in stats))
-        tau = sum(s.new_tokens for s in stats) / max(1, sum(s.row_forwards for s in stats))
-        per_round = sum(s.draft_s + s.bookkeeping_s for s in stats) / rounds + curve[tree.total_tokens]
-        taus[tree_name(tree)], rates[tree_name(tree)] = tau, tau / per_round
-    best = max(rates, key=rates.get)
-    sizing = TreeSizing(next(g for g in grid if tree_name(g) == best), taus, rates, vanilla_step, curve)
+        name, verify = tree_name(tree), curve[tree.total_tokens]
+        taus[name], rates[name] = tree_rate(stats, verify)
+        per_prompt[name] = [tree_rate([s], verify)[1] for s in stats]
+    best = paired_choice(per_prompt)
+    tree = next(g for g in grid if tree_name(g) == best)
+    sizing = TreeSizing(tree, taus, rates, vanilla_step, curve, per_prompt, grid)
     log(f"cost curve: {sizing.account()}")
     return sizing
+
+
+def tree_rate(stats: list[GenerationStats], verify_s: float) -> tuple[float, float]:
+    """(τ, predicted tokens/s) of a tree's pilot runs: τ pooled over their rounds, and τ over a round's cost, its
+    measured draft and bookkeeping time plus ``verify_s`` for the tree's nodes."""
+    rounds = max(1, sum(s.rounds for s in stats))
+    tau = sum(s.new_tokens for s in stats) / max(1, sum(s.row_forwards for s in stats))
+    return tau, tau / (sum(s.draft_s + s.bookkeeping_s for s in stats) / rounds + verify_s)
 
 
 @torch.inference_mode()

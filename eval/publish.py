@@ -121,14 +121,14 @@ def _training(folder: Path) -> str:
     return words + "."
 
 
-def _recipe(folder: Path) -> tuple[str, str | None]:
-    """(recipe in a code block, data path) of the run, where the checkpoint kept its recipe."""
+def _recipe(folder: Path) -> tuple[str, str | None, list[str]]:
+    """(recipe in a code block, data path, extra data paths) of the run, where the checkpoint kept its recipe."""
     path = folder / "recipe.yaml"
     if not path.exists():
-        return "The checkpoint holds no recipe.", None
+        return "The checkpoint holds no recipe.", None, []
     text = path.read_text()
-    data = (yaml.safe_load(text) or {}).get("data", {}).get("path")
-    return f"```yaml\n{text.strip()}\n```", data
+    section = (yaml.safe_load(text) or {}).get("data", {})
+    return f"```yaml\n{text.strip()}\n```", section.get("path"), list(section.get("extra_paths") or [])
 
 
 def files_section(folder: Path, exports: list[EngineExport]) -> str:
@@ -163,7 +163,7 @@ def model_card(
 ) -> str:
     """The model card (README.md) of a published folder whose engine folders ``exports`` are written."""
     rows, head = _results(folder, leaderboard, info.method, report)
-    recipe, data = _recipe(folder)
+    recipe, data, extra = _recipe(folder)
     base = base_model(info)
     front = {
         "license": TARGET_LICENSES.get(Path(info.target_name).name, "other"),
@@ -189,7 +189,7 @@ the target's distribution).
 - **Target**: `{info.target_name}` (vocab {info.target_vocab_size:,}, {info.target_num_layers} layers, hidden
   {info.target_hidden_size}, tokenizer fingerprint `{info.tokenizer_fingerprint}`); feature taps
   {info.aux_layer_ids or "none"} ({info.aux_layer_convention}).
-- **Data**: {f"`{data}`" if data else "see the recipe"}; its data card is the README beside it.
+- **Data**: {", ".join(f"`{d}`" for d in [data, *extra]) if data else "see the recipe"}; {"their data cards are the READMEs beside them" if extra else "its data card is the README beside it"}.
 - **Training**: {_training(folder)}
 
 ## Files

@@ -176,9 +176,9 @@ def plan_report(
     eos = stop_ids(tokenizer, target.model)
     ids = [p.ids for p in prompts]
     ready_targets(target, vanilla_target, ids, cfg.batch_sizes, cfg.max_new_tokens, log)
-    tree_sizing = None
+    tree_sizing, make_tree = None, None
     if cfg.chain_from_cost_curve and cfg.tree_total_tokens:
-        cfg, tree_sizing = _sized_tree(target, drafters, cfg, ids, eos, log, vanilla_target, families)
+        cfg, tree_sizing, make_tree = _sized_tree(target, drafters, cfg, ids, eos, log, vanilla_target, families)
     chains: list[SizedChain] = []
 
     def sizer(folder: str | Path | None, proposer: str) -> ChainSizer:
@@ -195,6 +195,8 @@ def plan_report(
     names = [family_of(d, families).method for d in drafters] + ["draft model"]
     measured = candidates(drafters, cfg, [sizer(f, n) for f, n in zip(folders, names)], target, log, families)
     neighbours = _chain_neighbours(measured, chains) if cfg.chain_neighbours else []
+    if cfg.tree_grid and tree_sizing is not None:
+        neighbours += _tree_grid(measured, tree_sizing, make_tree)
     batch_sizing, auto = _batch_auto(cfg, measured, chains, target, vanilla_target, ids, eos, log)
     hf_assisted = _hf_peers(cfg, target, log)
     measurement = MeasurePlan(
@@ -313,10 +315,24 @@ def report_checks(plan: ReportPlan, rows: list[dict], log: Callable[[str], None]
         checks["sizing"] = _sizing_check(rows, plan.measured, plan.chains)
     sized = plan.tree_sizing
     if sized is not None:
+        found = _tree_owner(plan.measured, sized)
+        owner = found.proposer if found is not None else None
         checks["tree_sizing"] = {
             "setting": tree_name(sized.tree),
             "pilot_tau": sized.tau,
             "predicted_speedup": {n: sized.predicted_speedup(n) for n in sized.rates},
+            "predicted_speedup_by_pilot_prompt": {
+                n: [r * sized.vanilla_step_s for r in rates] for n, rates in sized.per_prompt.items()
+            },
+            "measured_speedup": {
+                r["setting"]: r["speedup"]
+                for r in rows
+                if r["proposer"] == owner
+                and r["setting"] in sized.rates
+                and r["temperature"] == 0.0
+                and r["batch_size"] == 1
+                and r["category"] == "all"
+            },
             "verify_ms": {n: 1e3 * t for n, t in sized.verify_s.items()},
             "vanilla_step_ms": 1e3 * sized.vanilla_step_s,
             "summary": f"{sized.account()}; verify ms "
@@ -345,10 +361,10 @@ def _dtype_of(module: torch.nn.Module) -> str:
 
 def _sized_tree(
     target, drafters, cfg: ReportConfig, ids, eos, log, baseline: TargetModel | None = None, families=FAMILIES
-) -> tuple[ReportConfig, TreeSizing | None]:
+) -> tuple[ReportConfig, TreeSizing | None, Callable[[DynamicTreeConfig], Proposer] | None]:
     """``cfg`` with the EAGLE-2 tree chosen on this machine (`size_tree`) from the first drafter whose family measures
-    the report's dynamic tree, and how it was chosen; unchanged and None when none does (their trees are their own:
-    static, top-k)."""
+    the report's dynamic tree, how it was chosen, and the maker of that drafter's proposer for any setting; unchanged
+    and None when none does (their trees are their own: static, top-k)."""
     for drafter in drafters:
         fam = family_of(drafter, families)
 
@@ -368,8 +384,25 @@ def _sized_tree(
             chosen = dataclasses.replace(
                 cfg, tree_top_k=tree.top_k, tree_depth=tree.depth, tree_total_tokens=tree.total_tokens
             )
-            return chosen, sized
-    return cfg, None
+            return chosen, sized, make
+    return cfg, None, None
+
+
+def _tree_grid(
+    measured: list[Candidate], sized: TreeSizing, make: Callable[[DynamicTreeConfig], Proposer]
+) -> list[Candidate]:
+    """Every setting of the sized grid but the chosen one, on the chosen one's proposer, so that the report shows
+    each setting's measured speedup beside its prediction."""
+    owner = _tree_owner(measured, sized)
+    if owner is None:
+        return []
+    grid = [g for g in sized.grid if g != sized.tree]
+    return [Candidate(owner.proposer, tree_name(g), lambda g=g: make(g), owner.spec) for g in grid]
+
+
+def _tree_owner(measured: list[Candidate], sized: TreeSizing) -> Candidate | None:
+    """The candidate whose tree was sized: the first drafter measuring the chosen setting (drafters come first)."""
+    return next((c for c in measured if c.setting == tree_name(sized.tree)), None)
 
 
 def _owner(measured: list[Candidate], name: str, k: int) -> Candidate | None:

@@ -110,6 +110,10 @@ class ReportConfig(*FAMILY_OPTIONS):
     it does not promise ``eval.batch_sizing.AUTO_MARGIN`` over vanilla (needs chain_from_cost_curve and chain_k)."""
     chain_neighbours: bool = True
     """Measure each sized chain's neighbours (k - 1, k + 1) too, predicted beside measured speedup."""
+    tree_grid: bool = False
+    """Where the tree is sized (chain_from_cost_curve), measure every other setting of the grid too: the check of
+    the tree sizing, each setting's predicted beside its measured speedup (a full file costs a few minutes more per
+    setting)."""
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     """Sampling temperatures to measure (0 = greedy, with the token-identity check)."""
     drafter_dir: str | None = None

@@ -156,7 +156,8 @@ class MedusaDrafter(nn.Module):
     def head_logits(self, k: int, last_hidden: torch.Tensor) -> torch.Tensor:
         """Head k on final-norm hidden states [.., H] → logits [.., V] for token t+2+k."""
         hidden = self.blocks[k](last_hidden)
-        return self.output_head(k)(hidden)
+        head = self.output_head(k)
+        return head(hidden.to(head.weight.dtype))  # a shared head stays in the target's dtype beside fp32 blocks
 
     def output_head(self, k: int) -> nn.Module:
         """The lm_head of head k: its own copy, or the target's when shared."""
@@ -175,8 +176,9 @@ class MedusaDrafter(nn.Module):
         """Inference: the first ``depth`` heads (default all) on hidden [.., H] → logits [depth, .., V]."""
         depth = self.config.num_heads if depth is None else depth
         hidden = torch.stack([self.blocks[k](last_hidden) for k in range(depth)])
-        if self.lm_heads is None:
-            return self.output_head(0)(hidden)  # one pass over the shared head's V×H weight for all heads
+        if self.lm_heads is None:  # one pass over the shared head's V×H weight for all heads, in the head's dtype
+            head = self.output_head(0)
+            return head(hidden.to(head.weight.dtype))
         return torch.stack([self.lm_heads[k](h) for k, h in enumerate(hidden)])
 
 

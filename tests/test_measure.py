@@ -166,11 +166,44 @@ def test_pilot_acceptance_is_shrunk_toward_the_checkpoints_heldout_acceptance():
     assert best_chain_length(shrunk_alpha(*pilot, prior, 64), 0.001, flat)[0] == 3
 
 
+def test_the_pilot_takes_one_prompt_of_each_block_of_a_file_listed_by_family():
+    """A Spec-Bench file lists its families in blocks (here 6 x 4 prompts, each tagged by its family): the pilot's
+    6 prompts are one of each, not the first block's; a file of no more prompts than the pilot takes them all."""
+    from eval.cost_curve import pilot_context, pilot_prompts
+
+    blocks = [[family, i] for family in range(6) for i in range(4)]
+    assert [p[0] for p in pilot_prompts(blocks, 6)] == [0, 1, 2, 3, 4, 5]
+    assert [p[0] for p in pilot_prompts([[f] for f in range(6) for _ in range(80)], 6)] == [0, 1, 2, 3, 4, 5]
+    assert pilot_prompts(blocks[:3], 6) == blocks[:3]
+    # the verify curve is timed after the pilot prompt of median length, not after the file's first
+    lengths = [[7] * n for n in (3, 50, 9, 400, 20, 120) for _ in range(4)]
+    assert len(pilot_context(lengths)) == 20
+
+
+def test_a_larger_tree_wins_only_where_its_paired_gain_clears_the_pilots_spread():
+    """Rates per pilot prompt, smallest setting first. A larger setting whose mean gain is within one standard
+    error of zero stays behind, even where its pooled mean is higher; one that is steadily faster on every prompt
+    wins, and the next larger is then judged against it."""
+    from eval.cost_curve import paired_choice
+
+    small = [10.0, 10.0, 10.0, 10.0]
+    noisy = [14.0, 7.0, 13.0, 7.0]  # gains +0.4 -0.3 +0.3 -0.3: mean 0.025, standard error 0.18
+    steady = [11.0, 11.0, 10.9, 11.1]  # gains 0.1 0.1 0.09 0.11: mean 0.1, standard error 0.004
+    assert paired_choice({"n4": small, "n8": noisy}) == "n4"
+    assert paired_choice({"n4": small, "n8": steady}) == "n8"
+    assert paired_choice({"n4": small, "n8": steady, "n12": [12.1, 12.1, 12.0, 12.2]}) == "n12"
+    # n12 is 10 % above n4 on every prompt but no better than n8: judged against the n8 kept, it stays behind
+    assert paired_choice({"n4": small, "n8": steady, "n12": [11.0, 10.9, 11.0, 11.0]}) == "n8"
+    assert paired_choice({"n4": small, "n12": [11.0, 10.9, 11.0, 11.0]}) == "n12"
+    assert paired_choice({"n4": small, "n8": [9.0, 9.5, 9.0, 9.8]}) == "n4"
+    assert paired_choice({"n4": [10.0], "n8": [10.5]}) == "n8"  # one prompt: no spread, the rate decides
+
+
 def test_tree_sizing_pilots_every_setting_and_rates_it_on_the_verify_curve(tiny_target, monkeypatch):
     """The target drafting for itself accepts whatever of its greedy path the tree kept, so each setting's pilot τ
     is well above 2 and at most its depth + 1; the choice is the setting of the grid with the best predicted rate."""
     import eval.cost_curve
-    from eval.cost_curve import size_tree, tree_name
+    from eval.cost_curve import PILOT_PROMPTS, paired_choice, size_tree, tree_name
     from infer.tree_search import DynamicTreeConfig
 
     monkeypatch.setattr(eval.cost_curve, "PILOT_TOKENS", 24)
@@ -180,7 +213,8 @@ def test_tree_sizing_pilots_every_setting_and_rates_it_on_the_verify_curve(tiny_
         tiny_target, lambda t: DraftModelProposer(tiny_target.model, tree=t), PROMPTS, (), grid, log=lambda m: None
     )
     assert set(sizing.rates) == {tree_name(g) for g in grid} and sizing.tree in grid
-    assert sizing.rates[tree_name(sizing.tree)] == max(sizing.rates.values())
+    assert tree_name(sizing.tree) == paired_choice(sizing.per_prompt)
+    assert all(len(r) == min(len(PROMPTS), PILOT_PROMPTS) for r in sizing.per_prompt.values())
     for g in grid:
         assert 2.0 < sizing.tau[tree_name(g)] <= g.depth + 1
         assert sizing.predicted_speedup(tree_name(g)) > 0

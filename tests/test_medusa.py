@@ -291,6 +291,30 @@ def test_medusa1_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tm
     assert "(lossy)" in (tmp_path / "rep" / "report.md").read_text()
 
 
+def test_fp32_heads_beside_a_bf16_target_evaluate_and_serve(tiny_recipe, tmp_path):
+    """The data-scaling curve holds a loaded checkpoint in fp32 beside the target in its served dtype (bf16 on a CPU
+    with fast bf16), outside the training step's autocast: the evaluation reads the hidden state in the blocks'
+    dtype, as the training step does, the shared head reads its input in its own (the target's) dtype, and both the
+    held-out evaluation and the served chain run."""
+    import train.medusa as recipe
+    from models.config import parse_cli
+    from train.distributed import make_accelerator
+    from train.loop import load_target_and_data
+
+    args = medusa_args(tiny_recipe, tmp_path / "run", "target.dtype=bfloat16", "train.mixed_precision=fp32")
+    cfg = parse_cli(recipe.MedusaRecipeConfig, args)
+    accelerator, _ = make_accelerator(cfg.train, target=cfg.target)
+    loaded = load_target_and_data(cfg, accelerator, lambda msg: None, None)
+    assert loaded.target.lm_head.weight.dtype == torch.bfloat16
+    heads = MedusaDrafter.from_target(loaded.target, 3, 1, True, loaded.tokenizer).float()
+    acc = recipe.evaluate(accelerator, loaded.target, heads, loaded.eval_set, cfg, loaded.pad_id)["eval/acc"]
+    assert len(acc) == 3 and all(0.0 <= a <= 1.0 for a in acc)
+    # and the curve's served chain: fp32 blocks, the shared head in bf16, greedy decoding keeps the target's tokens
+    params = SamplingParams(max_new_tokens=6)
+    served = generate_speculative(loaded.target, MedusaProposer(heads, k=3), [[5, 9, 11]], params).tokens
+    assert served == generate_vanilla(loaded.target, [[5, 9, 11]], params).tokens
+
+
 def test_lambda0_schedules_start_after_the_heads_warm_up():
     # one config for both families, each with its paper's defaults: Medusa-2's are a subclass's field defaults, so
     # they hold also where `key=value` overrides build the section from its type

@@ -25,7 +25,9 @@ def _checkpoint(tiny_target, tmp_path, rows, **drafter):
     (ckpt / "report.json").write_text(
         json.dumps({"machine": "test CPU", "prompt_set": "6 questions", "created": "today", "results": rows})
     )
-    (ckpt / "recipe.yaml").write_text("data:\n  path: train/shipped_data/x/train.jsonl.gz\n")
+    (ckpt / "recipe.yaml").write_text(
+        "data:\n  path: train/shipped_data/x/train.jsonl.gz\n  extra_paths: [train/shipped_data/y/answers]\n"
+    )
     (ckpt / "train_log.jsonl").write_text(
         json.dumps({"step": 10, "loss": 2.5, "tokens_per_s": 250.0}) + "\n"
         + json.dumps({"step": 10, "loss": 2.4, "eval/acc": [0.5, 0.4]}) + "\n"
@@ -55,6 +57,7 @@ def test_publish_writes_every_engine_folder_and_a_card_of_exactly_the_folder(tin
     assert front["library_name"] == "drafters" and "eagle3" in front["tags"]
     assert front["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and front["license"] == "apache-2.0"
     assert "datasets" not in front  # local data is described in the body, not named as a hub dataset
+    assert "`train/shipped_data/x/train.jsonl.gz`, `train/shipped_data/y/answers`; their data cards" in card
     files = card.split("## Files\n\n", 1)[1].split("\n\n", 1)[0]
     listed = {line.split("`")[1].rstrip("/") for line in files.splitlines()}
     assert listed == {p.name for p in out.iterdir()}  # every file there, and nothing that is not

@@ -220,3 +220,46 @@ def test_greedy_only_methods_run_at_t0_only():
     plan = MeasurePlan(None, [], [MeasuredPrompt([1, 2])], (0,), greedy_only=frozenset({"draft model / chain 1"}))
     assert plan.runs("draft model / chain 1", 0.0) and not plan.runs("draft model / chain 1", 1.0)
     assert plan.runs("eagle3 / chain 2", 1.0)
+
+
+def test_a_report_with_tree_grid_measures_every_setting_beside_its_prediction(tiny_recipe, tmp_path, monkeypatch):
+    """With the tree sized on the machine and ``tree_grid`` on, the drafter runs every setting of the grid, not only
+    the chosen one; the report's tree check gives each setting's pilot prediction, its prediction on each pilot
+    prompt and its measured speedup (the drafter's row, not the draft model's or the hybrid's of the same tree)."""
+    import functools
+
+    import eval.report as report_module
+    from eval.cost_curve import size_tree, tree_name
+    from infer.tree_search import DynamicTreeConfig
+
+    grid = (DynamicTreeConfig(2, 2, 4), DynamicTreeConfig(2, 3, 6))
+    monkeypatch.setattr(report_module, "size_tree", functools.partial(size_tree, grid=grid))
+    monkeypatch.setattr("eval.cost_curve.PILOT_TOKENS", 8)
+    path = str(tiny_recipe / "target")
+    target = TargetModel.from_config(TargetConfig(name_or_path=path, dtype="float32", device="cpu"))
+    tokenizer = load_tokenizer(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    (tmp_path / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=32, tokenizer=tokenizer)
+    cfg = ReportConfig(
+        prompts_path=str(tmp_path / "questions.jsonl"),
+        max_new_tokens=8,
+        chain_k=2,
+        chain_neighbours=False,
+        tree_total_tokens=4,
+        tree_grid=True,
+        hybrid_lookup=4,
+        draft_model=None,
+        batch_sizes=[1],
+        temperatures=[0.0],
+    )
+    rows = run_report(target, drafter, tokenizer, cfg, tmp_path / "report", log=lambda msg: None)
+    names = {tree_name(g) for g in grid}
+    drafter_trees = {r["setting"] for r in rows if r["proposer"] == "eagle3" and r["category"] == "all"}
+    assert names <= drafter_trees
+    check = json.loads((tmp_path / "report" / "report.json").read_text())["tree_sizing"]
+    assert set(check["measured_speedup"]) == names and all(v > 0 for v in check["measured_speedup"].values())
+    assert set(check["predicted_speedup"]) == names
+    # 4 prompts (the two-turn question is two), fewer than the pilot's 6: it takes every one
+    assert all(len(v) == 4 for v in check["predicted_speedup_by_pilot_prompt"].values())

@@ -121,7 +121,7 @@ def evaluate(accelerator, target, model: MedusaDrafter, eval_set, cfg: MedusaRec
     hits = torch.zeros(K, R, device=accelerator.device)
     count = torch.zeros(K, device=accelerator.device)
     for batch in eval_batches(accelerator, cfg.train, eval_set, pad_id):
-        hidden = final_hidden(target, batch)
+        hidden = final_hidden(target, batch).to(next(model.parameters()).dtype)  # as the training step reads it
         targets = [position_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)]
         logits = model([hidden[positions] for positions, _ in targets])  # forward: FSDP gathers its shards there
         for k, (positions, labels) in enumerate(targets):

@@ -240,8 +240,10 @@ class MTPDrafter(nn.Module):
         return self._target[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Module output [.., H] → logits [.., V] through the target's final norm and head."""
-        return self.target.lm_head(self.target.final_norm(hidden))
+        """Module output [.., H] → logits [.., V] through the target's final norm and head, in the target's dtype
+        (modules held in fp32 beside a bf16 target, as the data-scaling curve holds them, feed them a cast)."""
+        head = self.target.lm_head
+        return head(self.target.final_norm(hidden.to(head.weight.dtype)))
 
     def module_step(
         self,

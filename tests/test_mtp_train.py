@@ -81,6 +81,32 @@ def mtp_args(root, out, *extra: str) -> list[str]:
     ]
 
 
+def test_fp32_modules_beside_a_bf16_target_evaluate_and_serve(tiny_recipe, tmp_path):
+    """The data-scaling curve holds a loaded checkpoint in fp32 beside the target in its served dtype (bf16 on a CPU
+    with fast bf16), outside the training step's autocast: the modules' output reaches the target's final norm and
+    head in the target's dtype, and both the held-out evaluation and the served chain run."""
+    from infer.generate import generate_speculative, generate_vanilla
+    from infer.mtp_proposer import MTPProposer
+    from infer.sampling import SamplingParams
+    from models.config import parse_cli
+    from train.distributed import make_accelerator
+    from train.loop import load_target_and_data
+    from train.mtp import evaluate
+
+    args = mtp_args(tiny_recipe, tmp_path / "run", "target.dtype=bfloat16", "train.mixed_precision=fp32")
+    cfg = parse_cli(MTPRecipeConfig, args)
+    accelerator, _ = make_accelerator(cfg.train, target=cfg.target)
+    loaded = load_target_and_data(cfg, accelerator, lambda msg: None, None)
+    assert loaded.target.lm_head.weight.dtype == torch.bfloat16
+    drafter = MTPDrafter.from_target(loaded.target, 2, loaded.tokenizer).float()
+    acc = evaluate(accelerator, loaded.target, drafter, loaded.eval_set, cfg.train, 2, loaded.pad_id)["eval/acc"]
+    assert len(acc) == 2 and all(0.0 <= a <= 1.0 for a in acc)
+    drafter.eval()
+    params = SamplingParams(max_new_tokens=6)
+    served = generate_speculative(loaded.target, MTPProposer(drafter, k=2), [[5, 9, 11]], params).tokens
+    assert served == generate_vanilla(loaded.target, [[5, 9, 11]], params).tokens
+
+
 def test_a_missing_init_checkpoint_is_refused_before_anything_loads(tmp_path):
     import train.mtp as recipe
 

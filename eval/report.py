@@ -32,15 +32,16 @@ import torch
 from eval.batch_sizing import BatchSizing, size_batch_policy
 from eval.cost_curve import ChainSizing, TreeSizing, heldout_acceptance, size_chain, size_tree, tree_name, vanilla_check
 from eval.measure import Candidate, MeasurePlan, measure_plan
-from eval.report_config import ReportConfig, ReportOnlyConfig, report_prompts
+from eval.report_config import DATASTORE_MAX_NGRAM, ReportConfig, ReportOnlyConfig, report_prompts
 from eval.report_md import write_report
 from infer.batch_policy import BatchAwareProposer
+from infer.datastore import Datastore
 from infer.families import FAMILIES, family_of, load_drafter
 from infer.family import ChainSizer, DrafterFamily
 from infer.forward_cost import quiet_routing
 from infer.hybrid import HybridProposer
 from infer.proposer import Proposer
-from infer.proposers import DraftModelProposer
+from infer.proposers import DraftModelProposer, PromptLookupProposer
 from infer.serving import ready_targets, serving_targets
 from infer.tree_search import DynamicTreeConfig
 from models.checkpoint import read_checkpoint
@@ -58,11 +59,13 @@ def candidates(
     target: TargetModel | None = None,
     log: Callable[[str], None] = print,
     families: tuple[DrafterFamily, ...] = FAMILIES,
+    datastore: Datastore | None = None,
 ) -> list[Candidate]:
     """The report's proposers: for each drafter the settings its family declares (``infer.family``; the family is
     looked up in ``families``), then the draft model's. ``sizers[i](make, longest) -> k`` picks drafter i's chain
     length on this machine (the last one sizes the draft model's chain; None, or chain_from_cost_curve off: the
-    longest). ``target``: where the undistilled draft-model cut comes from."""
+    longest). ``target``: where the undistilled draft-model cut comes from. ``datastore``: prompt lookup and the
+    hybrid drafting from it too, as rows of their own beside the plain ones."""
 
     def longest(make: Callable[[int], Proposer], k: int) -> int:
         return k
@@ -88,6 +91,20 @@ def candidates(
 
             setting = f"{learned.setting} + lookup {n}" + (f", alone at {alone}-gram matches" if alone else "")
             out.append(Candidate(f"{fam.method} + prompt lookup", setting, make, learned.spec))
+            if datastore is not None:
+
+                def make_ds(learned=learned, n=n, alone=alone) -> Proposer:
+                    return HybridProposer(
+                        learned.make(), num_draft=n, budget=1 << 10, alone_match=alone, datastore=datastore
+                    )
+
+                method = f"{fam.method} + prompt lookup + datastore"
+                out.append(Candidate(method, f"{setting}, {_datastore_setting(datastore)}", make_ds, learned.spec))
+    if datastore is not None:
+        setting = f"chain 10, {_datastore_setting(datastore)}"
+        out.append(
+            Candidate("prompt lookup + datastore", setting, lambda: PromptLookupProposer(10, datastore=datastore))
+        )
     draft, how = baseline_draft_model(cfg, target, log)
     if draft is not None:
         draft = draft.to(next(drafters[0].parameters()).device).eval()
@@ -99,6 +116,10 @@ def candidates(
             tree = cfg.tree
             out.append(Candidate(name, cfg.tree_name, lambda: DraftModelProposer(draft, tree=tree)))
     return out
+
+
+def _datastore_setting(datastore: Datastore) -> str:
+    return f"datastore {datastore.num_draft} after a {datastore.min_ngram}-gram match"
 
 
 def baseline_draft_model(cfg: ReportConfig, target: TargetModel | None, log: Callable[[str], None] = print):
@@ -193,7 +214,18 @@ def plan_report(
 
     folders = [drafter_dir, *cfg.compare, None]  # the last sizes the draft model: no checkpoint prior
     names = [family_of(d, families).method for d in drafters] + ["draft model"]
-    measured = candidates(drafters, cfg, [sizer(f, n) for f, n in zip(folders, names)], target, log, families)
+    datastore = None
+    if cfg.datastore:
+        datastore = Datastore.from_conversations(
+            cfg.datastore,
+            tokenizer,
+            num_draft=cfg.datastore_draft,
+            min_ngram=cfg.datastore_match,
+            max_ngram=DATASTORE_MAX_NGRAM,
+        )
+        log(f"report: datastore of {len(datastore):,} answer tokens from {len(cfg.datastore)} folder(s)")
+    sizers = [sizer(f, n) for f, n in zip(folders, names)]
+    measured = candidates(drafters, cfg, sizers, target, log, families, datastore)
     neighbours = _chain_neighbours(measured, chains) if cfg.chain_neighbours else []
     if cfg.tree_grid and tree_sizing is not None:
         neighbours += _tree_grid(measured, tree_sizing, make_tree)

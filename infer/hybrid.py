@@ -9,6 +9,9 @@ more than either. Per step and row, from the match length m (the n-gram size tha
 - m >= ``strong_match``: the lookup chain (up to ``num_draft`` tokens) is merged into the learned tree;
 - 0 < m < ``strong_match``: only its first ``weak_tokens`` tokens are, a weak match being right less often;
 - no match: the learned tree alone;
+- with a ``datastore`` (`infer.datastore.Datastore`, the target's own earlier text): where the match is not strong
+  and the datastore has a continuation, that continuation is merged instead of the weak chain, after the learned
+  tree's nodes (it was written for another answer, so it never replaces the drafter's step or leads the tree);
 - and where every row's match is at least ``alone_match`` tokens long (0: never), the lookup chains are verified
   alone and the learned drafter is not run that step: on copied text (translation, retrieved documents) a long
   match is right most of the time, and the drafter's step (~10 ms of a ~50 ms round for EAGLE-3's tree on SmolLM2
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from infer.datastore import Datastore
 from infer.proposer import Proposer
 from infer.proposers import PromptLookupProposer, _pack_rows
 from infer.sampling import SamplingParams
@@ -47,6 +51,7 @@ class HybridProposer(Proposer):
         budget: int = 24,
         max_ngram: int = 3,
         alone_match: int = 0,
+        datastore: Datastore | None = None,
     ):
         if budget < 2 or weak_tokens < 0 or strong_match < 1 or alone_match < 0:
             raise ValueError("need budget >= 2, weak_tokens >= 0, strong_match >= 1 and alone_match >= 0")
@@ -56,8 +61,9 @@ class HybridProposer(Proposer):
         self.lookup = PromptLookupProposer(num_draft=num_draft, max_ngram=max_ngram)
         self.strong_match, self.weak_tokens, self.budget = strong_match, weak_tokens, budget
         self.alone_match = alone_match
+        self.datastore = datastore
         self.signal = learned.signal
-        self.steps = {"strong": 0, "weak": 0, "none": 0, "lookup alone": 0}
+        self.steps = {"strong": 0, "datastore": 0, "weak": 0, "none": 0, "lookup alone": 0}
         """Rows per kind of match over the proposer's life (the report's account of how often lookup joined in);
         "lookup alone" counts the strong rows of steps that skipped the learned drafter."""
 
@@ -73,10 +79,14 @@ class HybridProposer(Proposer):
     def _chain(self, ctx: list[int]) -> tuple[str, int, list[int]]:
         """(kind of match, its n-gram size, the chain to merge)."""
         n, found = self.lookup.match(ctx)
+        if found and n >= self.strong_match:
+            return "strong", n, found[0]
+        if self.datastore is not None:
+            stored = self.datastore.match(ctx)[1][: self.lookup.num_draft]
+            if stored:
+                return "datastore", n, stored
         if not found:
             return "none", 0, []
-        if n >= self.strong_match:
-            return "strong", n, found[0]
         return "weak", n, found[0][: self.weak_tokens]
 
     def propose(self, contexts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> DraftTree:

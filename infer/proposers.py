@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from infer.attention import additive_mask, drop_holes
+from infer.datastore import Datastore
 from infer.proposer import Proposer
 from infer.sampling import SamplingParams, greedy_ids, sample_from_probs, warp_logits
 from infer.tree import DraftTree, chain
@@ -40,9 +41,22 @@ class PromptLookupProposer(Proposer):
     ``min_ngram``; the first size with a match wins. With ``num_candidates > 1`` the continuations
     of the most recent distinct matches are merged into a prefix tree (a static-shape tree is not
     needed: rows are padded). Drafts are deterministic, so sampling verifies them as one-hot q.
+
+    ``datastore`` (`infer.datastore.Datastore`): where the context's own match is shorter than
+    ``DATASTORE_BELOW`` tokens, the datastore's continuation is drafted instead, when it has one.
     """
 
-    def __init__(self, num_draft: int = 10, max_ngram: int = 3, min_ngram: int = 1, num_candidates: int = 1):
+    DATASTORE_BELOW = 2
+    """A 1-gram match in the context loses to any datastore match (n >= 2): a single token recurs too often."""
+
+    def __init__(
+        self,
+        num_draft: int = 10,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        num_candidates: int = 1,
+        datastore: Datastore | None = None,
+    ):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         if num_draft < 1 or num_candidates < 1:
@@ -53,6 +67,7 @@ class PromptLookupProposer(Proposer):
             min_ngram,
             num_candidates,
         )
+        self.datastore = datastore
         self.device = torch.device("cpu")
 
     def match(self, ctx: list[int]) -> tuple[int, list[list[int]]]:
@@ -73,8 +88,14 @@ class PromptLookupProposer(Proposer):
         return 0, []
 
     def candidates(self, ctx: list[int]) -> list[list[int]]:
-        """Up to ``num_candidates`` distinct continuations, most recent match first."""
-        return self.match(ctx)[1]
+        """Up to ``num_candidates`` distinct continuations, most recent match first (the datastore's, where the
+        context's own match is short and the datastore has one)."""
+        n, found = self.match(ctx)
+        if self.datastore is not None and n < self.DATASTORE_BELOW:
+            stored = self.datastore.match(ctx)[1]
+            if stored:
+                return [stored[: self.num_draft]]
+        return found
 
     def propose(self, contexts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> DraftTree:
         rows, parents = [], []

@@ -47,7 +47,7 @@ def test_the_step_merges_lookup_by_match_strength():
     assert rows[0] == [(6, -1), (90, 0), (91, 0), (7, 0), (8, 3), (9, 4), (5, 5)]
     assert rows[1] == [(1, -1), (90, 0), (91, 0), (2, 0)]
     assert rows[2] == [(3, -1), (90, 0), (91, 0)]
-    assert hybrid.steps == {"strong": 1, "weak": 1, "none": 1, "lookup alone": 0}
+    assert hybrid.steps == {"strong": 1, "datastore": 0, "weak": 1, "none": 1, "lookup alone": 0}
 
 
 @pytest.mark.parametrize("batch", [1, 4])

@@ -65,17 +65,23 @@ CHAT_TEMPLATE = (
 )
 
 
-def report_rows(root: Path, out: Path) -> list[dict]:
-    """The report of a seeded EAGLE-3 drafter (chain and EAGLE-2 tree) beside an MTP one, the undistilled cut as a
-    draft model and HF's assisted peers, on `QUESTIONS` at T 0 and 1 (batch size 1): the rows' kept
-    fields (`FIELDS`)."""
+def tiny_report_setup(root: Path, out: Path) -> tuple[TargetModel, object, Eagle3Drafter]:
+    """The tiny recipe's target in fp32, its tokenizer with a chat template, a seeded EAGLE-3 drafter, and
+    `QUESTIONS` written to ``out / "questions.jsonl"``."""
     path = str(root / "target")
     target = TargetModel.from_config(TargetConfig(name_or_path=path, dtype="float32", device="cpu"))
     tokenizer = load_tokenizer(path)
     tokenizer.chat_template = CHAT_TEMPLATE  # the recipe fixture's tokenizer has none; the prompt file needs one
     (out / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     torch.manual_seed(0)
-    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=32, tokenizer=tokenizer)
+    return target, tokenizer, Eagle3Drafter.from_target(target, draft_vocab_size=32, tokenizer=tokenizer)
+
+
+def report_rows(root: Path, out: Path) -> list[dict]:
+    """The report of a seeded EAGLE-3 drafter (chain and EAGLE-2 tree) beside an MTP one, the undistilled cut as a
+    draft model and HF's assisted peers, on `QUESTIONS` at T 0 and 1 (batch size 1): the rows' kept
+    fields (`FIELDS`)."""
+    target, tokenizer, drafter = tiny_report_setup(root, out)
     MTPDrafter.from_target(target, 1, tokenizer).save_pretrained(out / "mtp")
     cfg = ReportConfig(
         prompts_path=str(out / "questions.jsonl"),
@@ -235,13 +241,7 @@ def test_a_report_with_tree_grid_measures_every_setting_beside_its_prediction(ti
     grid = (DynamicTreeConfig(2, 2, 4), DynamicTreeConfig(2, 3, 6))
     monkeypatch.setattr(report_module, "size_tree", functools.partial(size_tree, grid=grid))
     monkeypatch.setattr("eval.cost_curve.PILOT_TOKENS", 8)
-    path = str(tiny_recipe / "target")
-    target = TargetModel.from_config(TargetConfig(name_or_path=path, dtype="float32", device="cpu"))
-    tokenizer = load_tokenizer(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    (tmp_path / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=32, tokenizer=tokenizer)
+    target, tokenizer, drafter = tiny_report_setup(tiny_recipe, tmp_path)
     cfg = ReportConfig(
         prompts_path=str(tmp_path / "questions.jsonl"),
         max_new_tokens=8,
@@ -263,3 +263,51 @@ def test_a_report_with_tree_grid_measures_every_setting_beside_its_prediction(ti
     assert set(check["predicted_speedup"]) == names
     # 4 prompts (the two-turn question is two), fewer than the pilot's 6: it takes every one
     assert all(len(v) == 4 for v in check["predicted_speedup_by_pilot_prompt"].values())
+
+
+def test_a_report_with_a_datastore_adds_its_two_rows_token_identical(tiny_recipe, tmp_path):
+    """``report.datastore``: prompt lookup and the hybrid drafting from the target's own earlier answers, as rows of
+    their own beside the plain ones, greedy identical to vanilla; a folder without shards is an error."""
+    target, tokenizer, drafter = tiny_report_setup(tiny_recipe, tmp_path)
+    answers = tmp_path / "answers"
+    answers.mkdir()
+    # the target's own greedy answers to the questions, cut in half: the store matches and then runs out
+    from infer.generate import generate_vanilla
+    from infer.sampling import SamplingParams
+
+    rows = []
+    for q in QUESTIONS:
+        messages = [{"role": "user", "content": q["turns"][0]}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        out = generate_vanilla(target, [list(ids)], SamplingParams(max_new_tokens=8)).tokens[0]
+        rows.append({"messages": [*messages, {"role": "assistant", "content": tokenizer.decode(out[:4])}]})
+    (answers / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = ReportConfig(
+        prompts_path=str(tmp_path / "questions.jsonl"),
+        max_new_tokens=8,
+        chain_k=2,
+        chain_from_cost_curve=False,
+        tree_top_k=2,
+        tree_depth=2,
+        tree_total_tokens=4,
+        hybrid_lookup=4,
+        datastore=[str(answers)],
+        datastore_match=1,
+        draft_model=None,
+        batch_sizes=[1],
+        temperatures=[0.0],
+    )
+    got = run_report(target, drafter, tokenizer, cfg, tmp_path / "report", log=lambda msg: None)
+    overall = {r["proposer"]: r for r in got if r["category"] == "all"}
+    assert {"prompt lookup + datastore", "eagle3 + prompt lookup + datastore", "eagle3 + prompt lookup"} <= set(overall)
+    assert overall["prompt lookup + datastore"]["greedy_identical"] == 1.0
+    assert overall["eagle3 + prompt lookup + datastore"]["greedy_identical"] == 1.0
+    with pytest.raises(FileNotFoundError, match="no \\*.jsonl.gz or \\*.jsonl shards"):
+        run_report(
+            target,
+            drafter,
+            tokenizer,
+            ReportConfig(**{**cfg.__dict__, "datastore": [str(tmp_path / "none")]}),
+            tmp_path / "report2",
+            log=lambda msg: None,
+        )

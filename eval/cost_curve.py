@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ import yaml
 
 from infer import forward_cost
 from infer.generate import VANILLA_LOOPS, generate_speculative, generate_vanilla, vanilla_steps
+from infer.pricing import VerifyPrice
 from infer.proposer import Proposer, TargetSignal
 from infer.sampling import SamplingParams
 from infer.serving import loop_context
@@ -242,9 +243,17 @@ class TreeSizing:
     """Predicted tokens/s by setting name on each pilot prompt: what `paired_choice` judged."""
     grid: tuple[DynamicTreeConfig, ...]
     """The settings judged, smallest first."""
+    round_s: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """(draft, bookkeeping) seconds per pilot round by setting name."""
 
     def predicted_speedup(self, name: str) -> float | None:
         return self.rates[name] * self.vanilla_step_s if name in self.rates else None
+
+    def price(self) -> VerifyPrice:
+        """The chosen tree's costs as `infer.pricing` reads them: the verify curve, its pilot's draft and bookkeeping
+        time per round."""
+        draft, bookkeeping = self.round_s[tree_name(self.tree)]
+        return VerifyPrice({n: 1e3 * s for n, s in self.verify_s.items()}, 1e3 * draft, 1e3 * bookkeeping)
 
     def account(self) -> str:
         return (
@@ -275,7 +284,7 @@ def size_tree(
     context = pilot_context(prompts)
     curve, vanilla_step = step_costs(target, context, sizes, SIZING_REPS, signal is TargetSignal.AUX)
     curve, vanilla_step = fitted_costs(curve, _fastest_vanilla(vanilla_step, baseline, context))
-    taus, rates, per_prompt = {}, {}, {}
+    taus, rates, per_prompt, round_s = {}, {}, {}, {}
     grid = tuple(sorted(grid, key=lambda g: (g.total_tokens, g.depth, g.top_k)))
     for tree in grid:
         stats = [
@@ -285,9 +294,11 @@ def size_tree(
         name, verify = tree_name(tree), curve[tree.total_tokens]
         taus[name], rates[name] = tree_rate(stats, verify)
         per_prompt[name] = [tree_rate([s], verify)[1] for s in stats]
+        rounds = max(1, sum(s.rounds for s in stats))
+        round_s[name] = (sum(s.draft_s for s in stats) / rounds, sum(s.bookkeeping_s for s in stats) / rounds)
     best = paired_choice(per_prompt)
     tree = next(g for g in grid if tree_name(g) == best)
-    sizing = TreeSizing(tree, taus, rates, vanilla_step, curve, per_prompt, grid)
+    sizing = TreeSizing(tree, taus, rates, vanilla_step, curve, per_prompt, grid, round_s)
     log(f"cost curve: {sizing.account()}")
     return sizing
 

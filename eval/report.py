@@ -40,6 +40,7 @@ from infer.families import FAMILIES, family_of, load_drafter
 from infer.family import ChainSizer, DrafterFamily
 from infer.forward_cost import quiet_routing
 from infer.hybrid import HybridProposer
+from infer.pricing import ChainAcceptance
 from infer.proposer import Proposer
 from infer.proposers import DraftModelProposer, PromptLookupProposer
 from infer.serving import ready_targets, serving_targets
@@ -60,12 +61,14 @@ def candidates(
     log: Callable[[str], None] = print,
     families: tuple[DrafterFamily, ...] = FAMILIES,
     datastore: Datastore | None = None,
+    tree_sizing: TreeSizing | None = None,
 ) -> list[Candidate]:
     """The report's proposers: for each drafter the settings its family declares (``infer.family``; the family is
     looked up in ``families``), then the draft model's. ``sizers[i](make, longest) -> k`` picks drafter i's chain
     length on this machine (the last one sizes the draft model's chain; None, or chain_from_cost_curve off: the
     longest). ``target``: where the undistilled draft-model cut comes from. ``datastore``: prompt lookup and the
-    hybrid drafting from it too, as rows of their own beside the plain ones."""
+    hybrid drafting from it too, as rows of their own beside the plain ones. ``tree_sizing``: where the hybrid wraps
+    the tree it sized, the hybrid is priced on its costs (``cfg.hybrid_priced``, `infer.pricing`)."""
 
     def longest(make: Callable[[int], Proposer], k: int) -> int:
         return k
@@ -84,18 +87,31 @@ def candidates(
             n = cfg.hybrid_lookup
 
             alone = cfg.hybrid_alone_match
+            priced = cfg.hybrid_priced and tree_sizing is not None and learned.setting == tree_name(tree_sizing.tree)
+            price = tree_sizing.price() if priced else None
+            # one tally per row, shared by its calls: later answers are priced from what earlier ones taught it
+            tally, tally_ds = ChainAcceptance(), ChainAcceptance()
 
-            def make(learned=learned, n=n, alone=alone) -> Proposer:
+            def make(learned=learned, n=n, alone=alone, price=price, tally=tally) -> Proposer:
                 # no cap beyond the sized setting's own: the union holds at most its nodes plus n
-                return HybridProposer(learned.make(), num_draft=n, budget=1 << 10, alone_match=alone)
+                return HybridProposer(
+                    learned.make(), num_draft=n, budget=1 << 10, alone_match=alone, price=price, chain_acceptance=tally
+                )
 
             setting = f"{learned.setting} + lookup {n}" + (f", alone at {alone}-gram matches" if alone else "")
+            setting += ", priced" if price is not None else ""
             out.append(Candidate(f"{fam.method} + prompt lookup", setting, make, learned.spec))
             if datastore is not None:
 
-                def make_ds(learned=learned, n=n, alone=alone) -> Proposer:
+                def make_ds(learned=learned, n=n, alone=alone, price=price, tally=tally_ds) -> Proposer:
                     return HybridProposer(
-                        learned.make(), num_draft=n, budget=1 << 10, alone_match=alone, datastore=datastore
+                        learned.make(),
+                        num_draft=n,
+                        budget=1 << 10,
+                        alone_match=alone,
+                        datastore=datastore,
+                        price=price,
+                        chain_acceptance=tally,
                     )
 
                 method = f"{fam.method} + prompt lookup + datastore"
@@ -225,7 +241,7 @@ def plan_report(
         )
         log(f"report: datastore of {len(datastore):,} answer tokens from {len(cfg.datastore)} folder(s)")
     sizers = [sizer(f, n) for f, n in zip(folders, names)]
-    measured = candidates(drafters, cfg, sizers, target, log, families, datastore)
+    measured = candidates(drafters, cfg, sizers, target, log, families, datastore, tree_sizing)
     neighbours = _chain_neighbours(measured, chains) if cfg.chain_neighbours else []
     if cfg.tree_grid and tree_sizing is not None:
         neighbours += _tree_grid(measured, tree_sizing, make_tree)
@@ -366,6 +382,7 @@ def report_checks(plan: ReportPlan, rows: list[dict], log: Callable[[str], None]
                 and r["category"] == "all"
             },
             "verify_ms": {n: 1e3 * t for n, t in sized.verify_s.items()},
+            "draft_and_bookkeeping_ms": {n: [1e3 * d, 1e3 * b] for n, (d, b) in sized.round_s.items()},
             "vanilla_step_ms": 1e3 * sized.vanilla_step_s,
             "summary": f"{sized.account()}; verify ms "
             + " ".join(f"{n}:{1e3 * t:.0f}" for n, t in sized.verify_s.items())

@@ -90,9 +90,14 @@ class ReportConfig(*FAMILY_OPTIONS):
     hf_assisted_draft_model: bool = True
     """HF's assisted generation with the draft model as ``assistant_model`` among the HF peers (off: HF's prompt
     lookup only; the draft model's own rows still place that baseline)."""
-    hybrid_lookup: int = 10
+    hybrid_lookup: int = 15
     """The hybrid row (infer/hybrid.py): the drafter's last setting (its tree where it has one) with prompt lookup's
-    chain of up to this many tokens merged into each verify; 0 leaves the row out."""
+    chain of up to this many tokens merged into each verify; 0 leaves the row out. Priced (``hybrid_priced``), a
+    step verifies only as much of it as pays, so the chain can reach the verify curve's next step (16 nodes)."""
+    hybrid_priced: bool = True
+    """Where the hybrid wraps the tree the report sized, each step keeps the nodes most likely to be accepted, as many
+    as give the most expected tokens per ms on the sizing's verify curve and its pilot's draft and bookkeeping time
+    (infer/pricing.py; off: the tree and the chain whole, a weak match's first 2 tokens)."""
     hybrid_alone_match: int = 3
     """The hybrid's steps where every row's lookup match is at least this many tokens verify the lookup chain alone,
     without running the drafter (infer/hybrid.py; 0: never)."""

@@ -25,6 +25,9 @@ class DraftTree:
     """[B, n, V] float: row i is the draft distribution q from which node i's children were sampled
     (without replacement, in child order). None for deterministic (top-k / greedy) drafts, which
     the accept rules treat as one-hot q."""
+    values: torch.Tensor | None = None
+    """[B, n] float: the proposer's estimate that each node is accepted (for EAGLE-2 trees the drafter's probability
+    of the node's whole path), which `infer.pricing` ranks nodes by; None where the proposer gives none."""
     siblings_sampled: bool = False
     """Declares that a node's several children were *drawn* from its q without replacement (e.g. Gumbel-top-k).
     Required to pass draft_probs with a node of two or more children: siblings *ranked* by top-k must be verified
@@ -37,6 +40,8 @@ class DraftTree:
             raise ValueError("node 0 must be the root (parent -1)")
         if not bool(self.valid[:, 0].all()):
             raise ValueError("the root (node 0) must be valid in every row")
+        if self.values is not None and self.values.shape != self.tokens.shape:
+            raise ValueError(f"values must be [B, n] like tokens; got {tuple(self.values.shape)}")
         if self.draft_probs is not None and self.draft_probs.shape[:2] != self.tokens.shape:
             raise ValueError(f"draft_probs must be [B, n, V]; got {tuple(self.draft_probs.shape)}")
         if self.draft_probs is not None and not self.siblings_sampled and self.tokens.shape[1] > 2:

@@ -102,7 +102,9 @@ def build_dynamic_tree(
         raise RuntimeError("dynamic tree lost an ancestor (non-monotone scores?)")
     tree_tokens = torch.cat([roots[:, None], all_tokens.gather(1, kept)], 1)
     tree_parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), parents], 1)
-    return DraftTree(tree_tokens, tree_parents, torch.ones_like(tree_tokens, dtype=torch.bool))
+    # a node's value: the drafter's probability of its whole path (the root is always accepted)
+    values = torch.cat([torch.ones(B, 1, device=dev), all_scores.gather(1, kept).float().exp()], 1)
+    return DraftTree(tree_tokens, tree_parents, torch.ones_like(tree_tokens, dtype=torch.bool), values=values)
 
 
 @torch.no_grad()

@@ -5,12 +5,14 @@ import torch
 
 from infer.generate import generate_speculative, generate_vanilla
 from infer.hybrid import HybridProposer, _union
+from infer.pricing import ChainAcceptance, VerifyPrice
 from infer.proposer import Proposer
 from infer.proposers import DraftModelProposer
 from infer.sampling import SamplingParams
 from infer.tree import DraftTree
 from infer.tree_search import DynamicTreeConfig
 from tests.test_generate import GREEDY, PROMPTS
+from tests.test_pricing import STEPS
 
 
 def test_union_shares_the_prefix_the_learned_tree_already_has_and_keeps_the_budget():
@@ -118,3 +120,59 @@ def test_a_long_match_verifies_lookup_alone_and_the_drafter_catches_up_after(tin
     assert tree.tokens[0].tolist() == [6, 7, 8, 9, 5] and tree.parents[0].tolist() == [-1, 0, 1, 2, 3]
     with pytest.raises(ValueError, match="max_ngram"):
         HybridProposer(Fixed(), alone_match=4, max_ngram=3)
+
+
+def test_priced_union_keeps_the_nodes_that_pay_on_the_verify_curve():
+    # learned: root 7 → 1 (0.9) → 2 (0.8), root → 3 (0.7): four nodes, the curve's first step
+    tokens, parents, values = [7, 1, 3, 2], [-1, 0, 0, 1], [1.0, 0.9, 0.7, 0.8]
+    # a weak chain whose two new nodes would push the round onto the 8-node step: dropped
+    priced = (STEPS, values, [0.1, 0.05])
+    assert _union(tokens, parents, [4, 8], 64, lookup_first=False, priced=priced) == (tokens, parents)
+    # a likely chain sharing the learned 1 → 2 prefix: the shared nodes take its larger values and its own nodes
+    # fill the 8-node step; the least likely learned node (3) comes last but still fits
+    priced = (STEPS, values, [0.95, 0.9, 0.85, 0.8, 0.75])
+    t, p = _union(tokens, parents, [1, 2, 5, 6, 9], 64, lookup_first=True, priced=priced)
+    assert (t, p) == ([7, 1, 3, 2, 5, 6, 9], [-1, 0, 0, 1, 3, 4, 5])
+    # the same on a curve where the step to 8 costs too much: the chain's first three nodes and the root
+    steep = VerifyPrice({1: 32.0, 4: 35.0, 8: 80.0}, draft_ms=5.0, overhead_ms=1.0)
+    t, p = _union(tokens, parents, [1, 2, 5, 6, 9], 64, lookup_first=True, priced=(steep, values, priced[2]))
+    assert (t, p) == ([7, 1, 2, 5], [-1, 0, 1, 2])
+
+
+class Valued(Fixed):
+    """`Fixed` with node values, as EAGLE-2 trees carry them."""
+
+    def propose(self, contexts, params, generator):
+        tree = super().propose(contexts, params, generator)
+        tree.values = torch.tensor([[1.0, 0.6, 0.3]] * len(contexts))
+        return tree
+
+
+def test_a_priced_step_tallies_the_chain_it_verified_and_prices_lookup_alone_steps():
+    tally = ChainAcceptance()
+    hybrid = HybridProposer(Valued(), num_draft=6, alone_match=3, price=STEPS, chain_acceptance=tally)
+    ctx = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]  # "5 6 7" matched: continue 8 9 10 11 12 5
+    hybrid.begin([ctx])
+    tree = hybrid.propose([ctx], SamplingParams(), torch.Generator())
+    # at the prior (0.5, 0.25, ...) only the first three chain tokens pay, on the 4-node step, lookup alone
+    assert tree.tokens[0].tolist() == [7, 8, 9, 10] and hybrid.steps["lookup alone"] == 1
+    ctx = ctx + [8, 9, 10, 11]  # the round accepted all three and the bonus token was the chain's fourth
+    tree = hybrid.propose([ctx], SamplingParams(), torch.Generator())
+    assert tally.accepted == {(3, 1): 1, (3, 2): 1, (3, 3): 1, (3, 4): 1} and tally.tried == tally.accepted
+    assert tree.num_nodes > 4  # more trust in 3-gram matches: the chain now fills the 8-node step
+    unvalued = HybridProposer(Fixed(), price=STEPS)
+    unvalued.begin([[1, 2, 3]])
+    with pytest.raises(ValueError, match="node values"):
+        unvalued.propose([[1, 2, 3]], SamplingParams(), torch.Generator())
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_priced_hybrid_is_token_identical(tiny_target, tiny_draft, batch):
+    prompts = PROMPTS[:batch]
+    expected = [generate_vanilla(tiny_target, [p], GREEDY).tokens[0] for p in prompts]
+    tally = ChainAcceptance()
+    for _ in range(2):  # the second call starts from what the first tallied
+        learned = DraftModelProposer(tiny_draft, tree=DynamicTreeConfig(top_k=2, depth=3, total_tokens=6))
+        hybrid = HybridProposer(learned, num_draft=8, budget=64, price=STEPS, chain_acceptance=tally)
+        assert generate_speculative(tiny_target, hybrid, prompts, GREEDY).tokens == expected
+    assert sum(tally.tried.values()) > 0

@@ -263,6 +263,11 @@ def test_a_report_with_tree_grid_measures_every_setting_beside_its_prediction(ti
     assert set(check["predicted_speedup"]) == names
     # 4 prompts (the two-turn question is two), fewer than the pilot's 6: it takes every one
     assert all(len(v) == 4 for v in check["predicted_speedup_by_pilot_prompt"].values())
+    # the hybrid wraps the sized tree, so it is priced on the sizing's costs, and stays the target's greedy output
+    assert set(check["draft_and_bookkeeping_ms"]) == names
+    hybrid = [r for r in rows if r["proposer"] == "eagle3 + prompt lookup" and r["category"] == "all"]
+    assert [r["setting"] for r in hybrid] == [f"{check['setting']} + lookup 4, alone at 3-gram matches, priced"]
+    assert hybrid[0]["greedy_identical"] == 1.0
 
 
 def test_a_report_with_a_datastore_adds_its_two_rows_token_identical(tiny_recipe, tmp_path):

@@ -1,5 +1,8 @@
 """Tree builders and tree structure, with a stand-in drafter whose scores are known."""
 
+import math
+
+import pytest
 import torch
 
 from infer.proposers import PromptLookupProposer
@@ -68,6 +71,9 @@ def test_dynamic_tree_keeps_best_candidates_and_their_ancestors():
     assert sorted(node_paths(tree)) == sorted(best)
     kept = set(node_paths(tree))
     assert all(p[:i] in kept for p in kept for i in range(1, len(p)))  # ancestors survive
+    # each node's value is the drafter's probability of its whole path (what infer/pricing ranks nodes by)
+    expected = [1.0] + [math.exp(cands[path]) for path in node_paths(tree)]
+    assert tree.values[0].tolist() == pytest.approx(expected, rel=1e-5)
     # frontier ancestors: none at the first call, exactly depth - 1 afterwards
     for _tokens, depth, anc in calls:
         assert anc.shape == (1, 3, 3 * (depth - 1))

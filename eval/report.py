@@ -84,11 +84,10 @@ def candidates(
             out.append(Candidate(fam.method, s.setting, s.make, s.spec))
         if i == 0 and cfg.hybrid_lookup and settings:
             learned = settings[-1]  # the tree, where the family has one: lookup nodes join a tree best
-            n = cfg.hybrid_lookup
-
             alone = cfg.hybrid_alone_match
             priced = cfg.hybrid_priced and tree_sizing is not None and learned.setting == tree_name(tree_sizing.tree)
             price = tree_sizing.price() if priced else None
+            n = cfg.hybrid_priced_lookup if priced else cfg.hybrid_lookup
             # one tally per row, shared by its calls: later answers are priced from what earlier ones taught it
             tally, tally_ds = ChainAcceptance(), ChainAcceptance()
 

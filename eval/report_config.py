@@ -90,14 +90,16 @@ class ReportConfig(*FAMILY_OPTIONS):
     hf_assisted_draft_model: bool = True
     """HF's assisted generation with the draft model as ``assistant_model`` among the HF peers (off: HF's prompt
     lookup only; the draft model's own rows still place that baseline)."""
-    hybrid_lookup: int = 15
+    hybrid_lookup: int = 10
     """The hybrid row (infer/hybrid.py): the drafter's last setting (its tree where it has one) with prompt lookup's
-    chain of up to this many tokens merged into each verify; 0 leaves the row out. Priced (``hybrid_priced``), a
-    step verifies only as much of it as pays, so the chain can reach the verify curve's next step (16 nodes)."""
+    chain of up to this many tokens merged into each verify; 0 leaves the row out."""
     hybrid_priced: bool = True
     """Where the hybrid wraps the tree the report sized, each step keeps the nodes most likely to be accepted, as many
     as give the most expected tokens per ms on the sizing's verify curve and its pilot's draft and bookkeeping time
     (infer/pricing.py; off: the tree and the chain whole, a weak match's first 2 tokens)."""
+    hybrid_priced_lookup: int = 15
+    """The lookup chain's length where the hybrid is priced: a step verifies only as much of it as pays, so it may
+    reach the verify curve's 16-node step, which a whole chain of 15 beside a tree would overrun."""
     hybrid_alone_match: int = 3
     """The hybrid's steps where every row's lookup match is at least this many tokens verify the lookup chain alone,
     without running the drafter (infer/hybrid.py; 0: never)."""
@@ -154,8 +156,8 @@ class ReportConfig(*FAMILY_OPTIONS):
             raise ValueError("compare_settings must be >= 0 (0: every setting)")
         if not 1 <= self.datastore_match <= DATASTORE_MAX_NGRAM or self.datastore_draft < 1:
             raise ValueError(f"datastore_match must be in 1..{DATASTORE_MAX_NGRAM} and datastore_draft >= 1")
-        if self.hybrid_lookup < 0 or not 0 <= self.hybrid_alone_match <= 3:
-            raise ValueError("hybrid_lookup must be >= 0 and hybrid_alone_match in 0..3")
+        if self.hybrid_lookup < 0 or self.hybrid_priced_lookup < 1 or not 0 <= self.hybrid_alone_match <= 3:
+            raise ValueError("hybrid_lookup must be >= 0, hybrid_priced_lookup >= 1 and hybrid_alone_match in 0..3")
         if any(b < 1 for b in self.batch_sizes) or any(t < 0 for t in self.temperatures):
             raise ValueError("batch sizes must be >= 1 and temperatures >= 0")
         for options in FAMILY_OPTIONS:

@@ -250,6 +250,7 @@ def test_a_report_with_tree_grid_measures_every_setting_beside_its_prediction(ti
         tree_total_tokens=4,
         tree_grid=True,
         hybrid_lookup=4,
+        hybrid_priced_lookup=5,
         draft_model=None,
         batch_sizes=[1],
         temperatures=[0.0],
@@ -266,7 +267,7 @@ def test_a_report_with_tree_grid_measures_every_setting_beside_its_prediction(ti
     # the hybrid wraps the sized tree, so it is priced on the sizing's costs, and stays the target's greedy output
     assert set(check["draft_and_bookkeeping_ms"]) == names
     hybrid = [r for r in rows if r["proposer"] == "eagle3 + prompt lookup" and r["category"] == "all"]
-    assert [r["setting"] for r in hybrid] == [f"{check['setting']} + lookup 4, alone at 3-gram matches, priced"]
+    assert [r["setting"] for r in hybrid] == [f"{check['setting']} + lookup 5, alone at 3-gram matches, priced"]
     assert hybrid[0]["greedy_identical"] == 1.0
 
 

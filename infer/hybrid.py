@@ -24,7 +24,8 @@ after an n-gram match of that size, tallied online in a `infer.pricing.ChainAcce
 emitted), a node shared by both sources the larger one. Each row then verifies the most valuable nodes, as many as
 give the most expected tokens per millisecond on the curve, lookup-alone steps too; weak matches offer their whole
 chain (their tally values it). A weak chain that would push a 4-node tree past a step of the curve is dropped, and a
-strong chain fills a step's spare nodes.
+strong chain fills a step's spare nodes. At a batch each row is priced alone, on the curve it was given (the report's
+is timed at batch 1), and the verify is as wide as its widest row.
 
 The union is a trie: a lookup token equal to a learned node's child follows it, so shared prefixes are verified
 once. It is capped at ``budget`` nodes (root included): the learned tree keeps its first nodes (proposers emit nodes

@@ -176,3 +176,18 @@ def test_a_priced_hybrid_is_token_identical(tiny_target, tiny_draft, batch):
         hybrid = HybridProposer(learned, num_draft=8, budget=64, price=STEPS, chain_acceptance=tally)
         assert generate_speculative(tiny_target, hybrid, prompts, GREEDY).tokens == expected
     assert sum(tally.tried.values()) > 0
+
+
+def test_a_priced_hybrid_samples_reproducibly_from_a_fresh_tally(tiny_target, tiny_draft):
+    """At T > 0 the priced tree is still deterministic (one-hot q), so rejection sampling stays exact; two runs from
+    fresh tallies and one seed draw the same tokens (a tally carried over would change the trees, and with them
+    which uniforms each step reads)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=7)
+    outs = []
+    for _ in range(2):
+        learned = DraftModelProposer(tiny_draft, tree=DynamicTreeConfig(top_k=2, depth=3, total_tokens=6))
+        hybrid = HybridProposer(learned, num_draft=8, budget=64, price=STEPS, chain_acceptance=ChainAcceptance())
+        outs.append(generate_speculative(tiny_target, hybrid, PROMPTS, params).tokens)
+    vocab = tiny_target.model.config.vocab_size
+    assert outs[0] == outs[1] and all(0 <= t < vocab for row in outs[0] for t in row)
+    assert sum(hybrid.tally.tried.values()) > 0

@@ -107,8 +107,20 @@ class SlackLayer(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep rows ``indices`` (spare slots included, so the next update needs no new buffer)."""
-        if self._k is not None and self._k.dim() == 4:
+        """Keep rows ``indices`` (spare slots included, so the next update needs no new buffer). Where every row that
+        changes place comes from past the kept count (rows dropped by moving the last live ones into their places,
+        `infer.generate.DecodeState.drop_finished`), only those rows' used slots are copied, in place; any other
+        selection copies the kept rows into a new buffer."""
+        if self._k is None or self._k.dim() != 4:
+            return
+        kept = indices.shape[0]
+        moved = (indices != torch.arange(kept, device=indices.device)).nonzero().flatten()
+        if bool((indices[moved] >= kept).all()):
+            for name in ("_k", "_v"):
+                buf, n = getattr(self, name), self._n[name]
+                buf[moved, :, :n] = buf[indices[moved], :, :n]
+            self._k, self._v = self._k[:kept], self._v[:kept]
+        else:
             self._k, self._v = self._k.index_select(0, indices), self._v.index_select(0, indices)
 
     def drop_front(self, slots: int) -> None:

@@ -77,18 +77,56 @@ def _join(
     keys: dict[int, object],
     new_keys: list[object],
 ) -> DecodeState:
-    """``state`` with ``prompts`` prefilled and appended as new rows (their row ids continue the old ones); the two
-    caches are left-padded to one width (invalid slots) and concatenated along the batch."""
-    fresh = DecodeState(prompts, params, eos_ids, target.device)
-    prefill(target, fresh)
+    """``state`` with ``prompts`` prefilled and appended as new rows (their row ids continue the old ones, in the
+    order of `length_groups`); the caches are left-padded to one width (invalid slots) and concatenated along the
+    batch. Prompts are prefilled in groups of similar length, so the prefill computes few padding positions (a
+    join's prompts span several times their shortest length: padded to the longest, a quarter of the prefill's work
+    was padding)."""
+    fresh: DecodeState | None = None
+    order: list[int] = []
+    for group in length_groups([len(p) for p in prompts]):
+        part = DecodeState([prompts[i] for i in group], params, eos_ids, target.device)
+        prefill(target, part)
+        fresh = part if fresh is None else _append_rows(fresh, part)
+        order += group
+    base = 0 if state is None else len(state.contexts)
+    keys.update({base + j: new_keys[i] for j, i in enumerate(order)})
     if state is None or not state.active:
-        base = 0 if state is None else len(state.contexts)
         if state is not None:  # keep row ids unique across the run
             fresh.contexts = state.contexts + fresh.contexts
             fresh.new_tokens = state.new_tokens + fresh.new_tokens
             fresh.active = [base + r for r in fresh.active]
-        keys.update({base + i: k for i, k in enumerate(new_keys)})
         return fresh
+    return _append_rows(state, fresh)
+
+
+PREFILL_PADDING = 0.1
+"""The padding a prefill group may compute, as a fraction of its prompts' tokens (`length_groups`)."""
+PREFILL_MIN_TOKENS = 256
+"""A group smaller than this (count x longest) takes the next prompt whatever its padding: a forward over fewer rows
+costs about its fixed overhead."""
+
+
+def length_groups(
+    lengths: list[int], padding: float = PREFILL_PADDING, min_tokens: int = PREFILL_MIN_TOKENS
+) -> list[list[int]]:
+    """Indices of ``lengths`` shortest first, cut into consecutive groups whose padded size (count x longest) is
+    within ``padding`` of their total length or below ``min_tokens``: each group is one prefill."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        padded = (len(groups[-1]) + 1) * lengths[i] if groups else 0
+        if groups and padded <= max((1 + padding) * (total + lengths[i]), min_tokens):
+            groups[-1].append(i)
+            total += lengths[i]
+        else:
+            groups.append([i])
+            total = lengths[i]
+    return groups
+
+
+def _append_rows(state: DecodeState, fresh: DecodeState) -> DecodeState:
+    """``fresh``'s rows appended to ``state``'s (row ids continue), both caches left-padded to one width."""
     base = len(state.contexts)
     width = max(state.kv_valid.shape[1], fresh.kv_valid.shape[1])
 
@@ -101,18 +139,20 @@ def _join(
         return torch.cat([torch.full(shape, fill, dtype=t.dtype, device=t.device), t], dim)
 
     state.kv_valid = torch.cat([left_pad(state.kv_valid, 1, False), left_pad(fresh.kv_valid, 1, False)], 0)
-    if not fresh.cache.layers:  # prompts of one token: nothing was prefilled, every slot of theirs is invalid
-        fresh_kv = [(layer.keys[:0], layer.values[:0]) for layer in state.cache.layers]
-        fresh_kv = [
-            (k.new_zeros(len(prompts), *k.shape[1:]), v.new_zeros(len(prompts), *v.shape[1:])) for k, v in fresh_kv
-        ]
-    else:
-        fresh_kv = [(layer.keys, layer.values) for layer in fresh.cache.layers]
-    for layer, (k, v) in zip(state.cache.layers, fresh_kv):
-        layer.keys = torch.cat([left_pad(layer.keys, 2, 0.0), left_pad(k, 2, 0.0)], 0)
-        layer.values = torch.cat([left_pad(layer.values, 2, 0.0), left_pad(v, 2, 0.0)], 0)
+    # prompts of one token prefill nothing: such a side has no cache layers, and every slot of its rows is invalid
+    cache = state.cache if state.cache.layers else fresh.cache
+    for i, layer in enumerate(cache.layers):
+        kv = []
+        for side in (state, fresh):
+            if side.cache.layers:
+                kv.append((side.cache.layers[i].keys, side.cache.layers[i].values))
+            else:
+                k = layer.keys.new_zeros(len(side.active), layer.keys.shape[1], 0, layer.keys.shape[3])
+                kv.append((k, k))
+        layer.keys = torch.cat([left_pad(k, 2, 0.0) for k, _ in kv], 0)
+        layer.values = torch.cat([left_pad(v, 2, 0.0) for _, v in kv], 0)
+    state.cache = cache
     state.contexts += fresh.contexts
     state.new_tokens += fresh.new_tokens
     state.active += [base + r for r in fresh.active]
-    keys.update({base + i: k for i, k in enumerate(new_keys)})
     return state

@@ -75,10 +75,19 @@ class DecodeState:
         return len(out) >= self.params.max_new_tokens
 
     def drop_finished(self, finished: list[bool]) -> torch.Tensor | None:
-        """Remove finished rows from the batch and the cache; returns the kept batch indices or None."""
+        """Remove finished rows from the batch and the cache; returns ``keep`` (new batch index j holds old row
+        ``keep[j]``) or None. The live rows past the new batch's end move into the finished rows' places, so a cache
+        moves only those rows (`infer.attention.SlackLayer.batch_select_indices`), not every row behind the first
+        finished one: at batch 96 a drop that copied the whole cache was 4 % of the answerer's time."""
         if not any(finished):
             return None
-        keep = torch.tensor([i for i, f in enumerate(finished) if not f], dtype=torch.long, device=self.device)
+        live = len(finished) - sum(finished)
+        order = list(range(live))
+        for hole, row in zip(
+            (i for i in range(live) if finished[i]), (i for i in range(live, len(finished)) if not finished[i])
+        ):
+            order[hole] = row
+        keep = torch.tensor(order, dtype=torch.long, device=self.device)
         self.active = [self.active[i] for i in keep.tolist()]
         for layer in self.cache.layers:
             layer.batch_select_indices(keep)

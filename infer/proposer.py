@@ -65,4 +65,4 @@ class Proposer(Protocol):
         new_lengths[b]); context token i's signal arrives before the propose that needs it."""
 
     def drop_rows(self, keep: torch.Tensor) -> None:
-        """Rows not in ``keep`` (batch indices) have finished."""
+        """Rows not in ``keep`` have finished; new batch index j holds old row ``keep[j]`` (not always in order)."""

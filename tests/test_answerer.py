@@ -245,6 +245,46 @@ def test_a_longer_prompt_joining_a_running_batch_keeps_keys_and_values_aligned(t
     assert answers == expected
 
 
+def test_prefill_groups_bound_their_padding():
+    """`length_groups` by hand: shortest first, a prompt joins the group while count x longest stays within 10 % of
+    the group's tokens, or below the minimum size."""
+    from infer.continuous import length_groups
+
+    lengths = [10, 300, 12, 310, 11, 600]
+    # 3 x 12 = 36 <= 1.1 x 33; 4 x 300 > 1.1 x 333; 2 x 310 <= 1.1 x 610; 3 x 600 > 1.1 x 1210
+    assert length_groups(lengths, 0.1, min_tokens=0) == [[0, 4, 2], [1, 3], [5]]
+    assert length_groups(lengths, 0.1, min_tokens=1200) == [[0, 4, 2, 1], [3, 5]]
+    assert length_groups([7], 0.1) == [[0]] and length_groups([], 0.1) == []
+
+
+def test_a_join_prefilled_in_length_groups_gives_each_prompt_its_lone_greedy_answer(tiny_target, monkeypatch):  # noqa: F811
+    """Every prompt its own prefill group (a one-token prompt's group has no cache at all), joined to a batch that is
+    still decoding: each answer equals the lone greedy run."""
+    import infer.continuous as continuous_module
+    from infer.continuous import decode_continuous, length_groups
+
+    target = TargetModel(tiny_target)
+    prompts = {f"p{i}": [3 + (5 * i + j) % 80 for j in range(n)] for i, n in enumerate((6, 1, 11, 3, 17, 2, 9))}
+    params = SamplingParams(max_new_tokens=5)
+    groups = []
+
+    def every_prompt_alone(lengths):
+        groups.append(length_groups(lengths, 0.0, min_tokens=0))
+        return groups[-1]
+
+    monkeypatch.setattr(continuous_module, "length_groups", every_prompt_alone)
+    waiting, answers = list(prompts.items()), {}
+
+    def submit(n):
+        out = waiting[:n]
+        del waiting[:n]
+        return out
+
+    decode_continuous(target, submit, lambda k, toks: answers.update({k: toks}), params, (), 4, refill=2)
+    assert len(groups) >= 2 and len(groups[0]) == 4  # a first batch of four groups, then joins
+    assert answers == {k: generate_vanilla(target, [p], params).tokens[0] for k, p in prompts.items()}
+
+
 def test_static_batching_answers_the_same_and_the_decode_flops_count_every_weight(tokenizers, tiny_target, tmp_path):  # noqa: F811
     from train.data.answerer import decode_flops_per_token
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from infer.generate import SpecConfig, generate_speculative, generate_vanilla
+from infer.generate import DecodeState, SpecConfig, generate_speculative, generate_vanilla
 from infer.proposer import Proposer
 from infer.proposers import DraftModelProposer, PromptLookupProposer
 from infer.sampling import SamplingParams
@@ -231,6 +231,32 @@ def test_slack_cache_writes_in_place_and_reads_like_a_dynamic_cache():
     assert ks.shape == (2, 2, 7, 4) and torch.equal(ks, kd) and torch.equal(vs, vd)
     layer.keys = kd.clone()  # a tensor that is not a view of the buffer replaces it
     assert torch.equal(layer.keys, kd) and layer._k.data_ptr() not in buffers
+
+
+def test_dropping_finished_rows_moves_only_the_rows_past_the_new_end():
+    """`DecodeState.drop_finished` fills the finished rows' places with the live rows past the batch's new end, and
+    the slack cache then copies only those rows' used slots, in its own buffer. Any other selection gathers a new
+    buffer. Both read back what a plain row selection of the cache gives, and later updates append in place."""
+    state = DecodeState([[1, 2, 3]] * 6, SamplingParams(max_new_tokens=4), (), "cpu")
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(6, 2, 5, 4, generator=gen), torch.randn(6, 2, 5, 4, generator=gen)
+    state.cache.update(k, v, 0)
+    valid = torch.arange(5)[None, :] >= torch.arange(6)[:, None] % 3  # rows differ in their left padding
+    state.kv_valid = valid
+    layer = state.cache.layers[0]
+    buffer = layer._k.data_ptr()
+    keep = state.drop_finished([False, True, False, True, False, False])
+    assert keep.tolist() == [0, 4, 2, 5] and state.active == [0, 4, 2, 5]
+    assert torch.equal(layer.keys, k[keep]) and torch.equal(layer.values, v[keep])
+    assert torch.equal(state.kv_valid, valid[keep]) and layer._k.data_ptr() == buffer
+    k2, v2 = torch.randn(4, 2, 1, 4, generator=gen), torch.randn(4, 2, 1, 4, generator=gen)
+    ks, vs = state.cache.update(k2, v2, 0)
+    assert torch.equal(ks, torch.cat([k[keep], k2], 2)) and torch.equal(vs, torch.cat([v[keep], v2], 2))
+    assert layer._k.data_ptr() == buffer
+    swap = torch.tensor([1, 0, 2])  # moved rows come from inside the kept ones: gathered into a new buffer
+    layer.batch_select_indices(swap)
+    assert torch.equal(layer.keys, ks[swap]) and torch.equal(layer.values, vs[swap])
+    assert layer._k.data_ptr() != buffer
 
 
 def test_draft_model_cache_drops_its_holes_and_stays_token_identical(tiny_target, tiny_draft):

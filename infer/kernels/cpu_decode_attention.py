@@ -6,8 +6,10 @@ host reads ~30-60 GB/s, and the cache's layers are prefix views of a buffer with
 SlackCache`), which `bmm` copies first (docs/decisions.md, "One answerer"). This kernel reads the keys and values
 in place, 64 slots at a time, one task per row and key/value head: the block's scores against the group's query rows
 (fp32), a running softmax (max and sum), the block's values added, so the cache is read from memory once. With
-AVX-512 and a head size that is a multiple of 16 the products of 16 keys are reduced together and each query row's
-sums stay in registers; elsewhere the same loops are left to the compiler's vectorizer.
+AVX-512 and a head size that is a multiple of 16 the products of 16 keys are reduced together and the group's value
+sums stay in registers, each value row widened once for all of them; with AVX512-BF16 a bf16 cache's scores
+multiply the keys as stored (bf16 pairs, exact products, fp32 sums), where widening them was most of the kernel's
+time. Elsewhere the same loops are left to the compiler's vectorizer.
 
 `decode_attention` is registered with transformers' ``AttentionInterface`` as `NAME`; a forward with more than one
 query per row, a device other than the CPU, a dtype other than fp32 / bf16, a layout the kernel does not read (keys
@@ -50,6 +52,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -133,10 +136,36 @@ inline __m512 sum_lanes16(const __m512* v) {
 
 // p[g][j] = q_g . k_j for the n <= BLOCK keys from k (rows ks apart), g < G. With AVX-512 and a constant head
 // dimension, 16 keys at a time: each key's row is read once for every query row of the group, the products kept as
-// 16-lane partial sums and reduced together (one horizontal sum per key would cost more than the products);
-// otherwise the block is widened into kf and each score is a dot product.
+// 16-lane partial sums and reduced together (one horizontal sum per key would cost more than the products). Where
+// the CPU multiplies bf16 pairs (AVX512-BF16) bf16 keys are not widened: the query's bf16 copy qb (exact: the query
+// came in bf16 and is not scaled yet) times 32 key elements per instruction, the products exact, summed in fp32.
+// Otherwise the block is widened into kf and each score is a dot product.
 template <typename T, int64_t DIM>
-inline void block_scores(const T* k, int64_t ks, int64_t n, const float* q, int64_t G, int64_t D, float* kf, float* p) {
+inline void block_scores(const T* k, int64_t ks, int64_t n, const float* q, const at::BFloat16* qb, int64_t G,
+                         int64_t D, float* kf, float* p) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16> && DIM > 0 && DIM % 32 == 0) {
+    constexpr int64_t C = DIM / 32;
+    __m512 part[16];
+    for (int64_t g = 0; g < G; ++g) {
+      __m512bh qc[C];
+      for (int64_t c = 0; c < C; ++c) qc[c] = (__m512bh)_mm512_loadu_si512(qb + g * DIM + 32 * c);
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t m = std::min<int64_t>(16, n - j0);
+        for (int64_t j = 0; j < 16; ++j) {
+          __m512 s = _mm512_setzero_ps();
+          if (j < m) {
+            const T* row = k + (j0 + j) * ks;
+            for (int64_t c = 0; c < C; ++c) s = _mm512_dpbf16_ps(s, qc[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
+          }
+          part[j] = s;
+        }
+        _mm512_mask_storeu_ps(p + g * BLOCK + j0, static_cast<__mmask16>((1u << m) - 1), sum_lanes16(part));
+      }
+    }
+    return;
+  }
+#endif
 #if defined(__AVX512F__)
   if constexpr (DIM > 0 && DIM % 16 == 0) {
     constexpr int64_t C = DIM / 16;
@@ -170,6 +199,34 @@ inline void block_scores(const T* k, int64_t ks, int64_t n, const float* q, int6
 template <typename T, int64_t DIM>
 inline void block_values(const T* v, int64_t vs, int64_t n, const float* p, int64_t G, int64_t D, float* acc) {
 #if defined(__AVX512F__)
+  if constexpr (DIM > 0 && DIM % 16 == 0 && DIM <= 64) {
+    // up to 4 query rows: their sums (4 x 4 registers at 64 dims) stay in registers and each value row is widened
+    // once for all of them
+    constexpr int64_t C = DIM / 16;
+    if (G <= 4) {
+      __m512 a[4][C];
+#pragma GCC unroll 4
+      for (int64_t g = 0; g < 4; ++g)
+        for (int64_t c = 0; c < C; ++c) a[g][c] = g < G ? _mm512_loadu_ps(acc + g * DIM + 16 * c) : _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        const T* row = v + j * vs;
+        __m512 x[C];
+        for (int64_t c = 0; c < C; ++c) x[c] = load16(row + 16 * c);
+#pragma GCC unroll 4
+        for (int64_t g = 0; g < 4; ++g) {
+          if (g < G) {
+            const __m512 w = _mm512_set1_ps(p[g * BLOCK + j]);
+            for (int64_t c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, x[c], a[g][c]);
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int64_t g = 0; g < 4; ++g)
+        if (g < G)
+          for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * c, a[g][c]);
+      return;
+    }
+  }
   if constexpr (DIM > 0 && DIM % 16 == 0) {
     constexpr int64_t C = DIM / 16;
     for (int64_t g = 0; g < G; ++g) {
@@ -189,25 +246,29 @@ inline void block_values(const T* v, int64_t vs, int64_t n, const float* p, int6
     for (int64_t g = 0; g < G; ++g) axpy(p[g * BLOCK + j], v + j * vs, acc + g * D, D);
 }
 
-// q [B, Hq, D] fp32 contiguous, already scaled; k, v [B, Hkv, S, D] with unit stride along D; mask [B, S] fp32
+// q [B, Hq, D] fp32 contiguous (bf16 values where k / v are bf16), not scaled: scores are scaled before the mask; k, v [B, Hkv, S, D] with unit stride along D; mask [B, S] fp32
 // additive or empty; out [B, Hq, D] fp32.
 // DIM: the head dimension as a compile-time constant (0: read at run time), so the per-key loops unroll fully.
 template <typename T, int64_t DIM>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, at::Tensor& out) {
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scaling,
+         at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Hkv = k.size(1), S = k.size(2), G = Hq / Hkv;
   const int64_t D = DIM ? DIM : q.size(2);
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   const float* qp = q.data_ptr<float>();
+  const float scale = static_cast<float>(scaling);
   const float* mp = mask.numel() ? mask.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t kb = k.stride(0), kh = k.stride(1), ks = k.stride(2);
   const int64_t vb = v.stride(0), vh = v.stride(1), vs = v.stride(2);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kf(BLOCK * D), p(G * BLOCK), acc(G * D), m(G), l(G);
+    std::vector<at::BFloat16> qb(G * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const float* qg = qp + (b * Hq + h * G) * D;  // the group's G query rows
+      for (int64_t i = 0; i < G * D; ++i) qb[i] = static_cast<at::BFloat16>(qg[i]);
       const T* kbase = kp + b * kb + h * kh;
       const T* vbase = vp + b * vb + h * vh;
       const float* mrow = mp ? mp + b * S : nullptr;
@@ -216,11 +277,13 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       std::fill(l.begin(), l.end(), 0.f);
       for (int64_t s0 = 0; s0 < S; s0 += BLOCK) {
         const int64_t n = std::min(BLOCK, S - s0);
-        block_scores<T, DIM>(kbase + s0 * ks, ks, n, qg, G, D, kf.data(), p.data());
+        block_scores<T, DIM>(kbase + s0 * ks, ks, n, qg, qb.data(), G, D, kf.data(), p.data());
         for (int64_t g = 0; g < G; ++g) {
           float* __restrict pg = p.data() + g * BLOCK;
           if (mrow)
-            for (int64_t j = 0; j < n; ++j) pg[j] += mrow[s0 + j];
+            for (int64_t j = 0; j < n; ++j) pg[j] = pg[j] * scale + mrow[s0 + j];
+          else
+            for (int64_t j = 0; j < n; ++j) pg[j] *= scale;
           float top = m[g];
           for (int64_t j = 0; j < n; ++j) top = std::max(top, pg[j]);
           // rescale what was summed under the old maximum (none yet: m = -inf, nothing to scale)
@@ -248,7 +311,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
 }  // namespace
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                            double scaling) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q [B, Hq, D], k / v [B, Hkv, S, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous fp32");
   TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "k and v: one shape, one dtype");
@@ -260,9 +324,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const bool bf16 = k.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || k.scalar_type() == at::kFloat, "k / v: fp32 or bf16");
   switch (q.size(2)) {
-    case 64: bf16 ? run<at::BFloat16, 64>(q, k, v, mask, out) : run<float, 64>(q, k, v, mask, out); break;
-    case 128: bf16 ? run<at::BFloat16, 128>(q, k, v, mask, out) : run<float, 128>(q, k, v, mask, out); break;
-    default: bf16 ? run<at::BFloat16, 0>(q, k, v, mask, out) : run<float, 0>(q, k, v, mask, out);
+    case 64: bf16 ? run<at::BFloat16, 64>(q, k, v, mask, scaling, out) : run<float, 64>(q, k, v, mask, scaling, out); break;
+    case 128: bf16 ? run<at::BFloat16, 128>(q, k, v, mask, scaling, out) : run<float, 128>(q, k, v, mask, scaling, out); break;
+    default: bf16 ? run<at::BFloat16, 0>(q, k, v, mask, scaling, out) : run<float, 0>(q, k, v, mask, scaling, out);
   }
   return out;
 }
@@ -327,8 +391,8 @@ def one_query_attention(
     of a larger buffer), mask None, bool (True = may attend) or additive, [B or 1, 1, 1, S] → [B, Hq, 1, D] in the
     query's dtype. Requires `available()`."""
     B, Hq, _, D = query.shape
-    q = (query.reshape(B, Hq, D).float() * scaling).contiguous()
-    return _module().decode_attention(q, key, value, _mask_rows(mask, B)).to(query.dtype).unsqueeze(2)
+    q = query.reshape(B, Hq, D).float().contiguous()  # unscaled: a bf16 query's fp32 copy rounds back exactly
+    return _module().decode_attention(q, key, value, _mask_rows(mask, B), scaling).to(query.dtype).unsqueeze(2)
 
 
 _last_mask: list = [None, None]
@@ -357,7 +421,7 @@ def _kernel_reads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         query.shape[2] == 1
         and query.device.type == "cpu"
         and key.dtype in (torch.float32, torch.bfloat16)
-        and key.dtype == value.dtype
+        and query.dtype == key.dtype == value.dtype  # a bf16 cache's scores take the query in bf16
         and key.stride(-1) == 1
         and value.stride(-1) == 1
         and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1))

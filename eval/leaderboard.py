@@ -209,13 +209,10 @@ def _fingerprint(cfg: LeaderboardConfig, cell: Cell) -> dict:
 
 def same_settings(stored: dict, now: dict) -> bool:
     """A finished cell's fingerprint against this run's: equal, except that a report setting added to the project
-    after the cell ran counts as equal while it holds its default (the cell was measured the way that default
-    measures)."""
-    from eval.report_config import ReportConfig
-
-    defaults = asdict(ReportConfig())
+    after the cell ran counts as equal while it is off (False, None, 0 or empty): a feature added off measures the
+    way the cell was measured. One added on (the priced hybrid) changes what a row runs, so the cell runs again."""
     old_report = stored.get("report", {})
-    report = {k: v for k, v in now["report"].items() if k in old_report or v != defaults.get(k)}
+    report = {k: v for k, v in now["report"].items() if k in old_report or v not in (False, None, 0, [], (), "")}
     return {**stored, "report": old_report} == {**now, "report": report}
 
 

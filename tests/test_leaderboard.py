@@ -236,16 +236,23 @@ def test_a_drafter_trained_again_under_the_same_path_is_measured_again(tmp_path)
     assert measured == ["chat__T0__bs1"] * 2 and statuses[0]["status"] == "done"
 
 
-def test_a_report_setting_added_later_at_its_default_keeps_finished_cells():
+def test_a_report_setting_added_later_keeps_finished_cells_only_while_it_is_off():
+    """A cell measured before a setting existed ran without that feature: it still stands for a setting added off
+    (the tree grid), not for one added on (the priced hybrid, which changes what the hybrid row verifies)."""
     from eval.leaderboard import _fingerprint, same_settings
 
     cfg = LeaderboardConfig(categories=["chat"], batch_sweep=[])
     now = _fingerprint(cfg, cells_of(cfg)[0])
-    older = {**now, "report": {k: v for k, v in now["report"].items() if k != "batch_repeats"}}
-    assert same_settings(now, now) and same_settings(older, now)
-    changed = {**now, "report": {**now["report"], "batch_repeats": 3}}
-    assert not same_settings(older, changed)  # the new setting away from its default measures something else
-    assert not same_settings({**older, "report": {**older["report"], "prompts": 8}}, now)
+    assert now["report"]["tree_grid"] is False and now["report"]["hybrid_priced"] is True
+
+    def without(key: str) -> dict:
+        return {**now, "report": {k: v for k, v in now["report"].items() if k != key}}
+
+    assert same_settings(now, now) and same_settings(without("tree_grid"), now)
+    assert not same_settings(without("tree_grid"), {**now, "report": {**now["report"], "tree_grid": True}})
+    assert not same_settings(without("hybrid_priced"), now)
+    assert same_settings(without("hybrid_priced"), {**now, "report": {**now["report"], "hybrid_priced": False}})
+    assert not same_settings({**now, "report": {**now["report"], "prompts": 8}}, now)
 
 
 ROW = {"proposer": "eagle3", "setting": "chain 3", "category": "all", "temperature": 0.0, "batch_size": 1,

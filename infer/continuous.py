@@ -147,8 +147,8 @@ def _append_rows(state: DecodeState, fresh: DecodeState) -> DecodeState:
             if side.cache.layers:
                 kv.append((side.cache.layers[i].keys, side.cache.layers[i].values))
             else:
-                k = layer.keys.new_zeros(len(side.active), layer.keys.shape[1], 0, layer.keys.shape[3])
-                kv.append((k, k))
+                rows = len(side.active)
+                kv.append(tuple(t.new_zeros(rows, t.shape[1], 0, t.shape[3]) for t in (layer.keys, layer.values)))
         layer.keys = torch.cat([left_pad(k, 2, 0.0) for k, _ in kv], 0)
         layer.values = torch.cat([left_pad(v, 2, 0.0) for _, v in kv], 0)
     state.cache = cache

@@ -246,8 +246,8 @@ inline void block_values(const T* v, int64_t vs, int64_t n, const float* p, int6
     for (int64_t g = 0; g < G; ++g) axpy(p[g * BLOCK + j], v + j * vs, acc + g * D, D);
 }
 
-// q [B, Hq, D] fp32 contiguous (bf16 values where k / v are bf16), not scaled: scores are scaled before the mask; k, v [B, Hkv, S, D] with unit stride along D; mask [B, S] fp32
-// additive or empty; out [B, Hq, D] fp32.
+// q [B, Hq, D] fp32 contiguous (bf16 values where k / v are bf16), not scaled: each score is scaled before the mask
+// is added; k, v [B, Hkv, S, D] with unit stride along D; mask [B, S] fp32 additive or empty; out [B, Hq, D] fp32.
 // DIM: the head dimension as a compile-time constant (0: read at run time), so the per-key loops unroll fully.
 template <typename T, int64_t DIM>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scaling,
@@ -268,7 +268,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const float* qg = qp + (b * Hq + h * G) * D;  // the group's G query rows
-      for (int64_t i = 0; i < G * D; ++i) qb[i] = static_cast<at::BFloat16>(qg[i]);
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        for (int64_t i = 0; i < G * D; ++i) qb[i] = static_cast<at::BFloat16>(qg[i]);
       const T* kbase = kp + b * kb + h * kh;
       const T* vbase = vp + b * vb + h * vh;
       const float* mrow = mp ? mp + b * S : nullptr;

@@ -74,11 +74,12 @@ class AnswerConfig:
     """Continuations: exactly this many tokens (no stop token)."""
     temperature: float = 0.0
     """0 = greedy (what a T = 0 report measures); > 0 samples."""
-    batch_size: int = 96
-    """Rows decoded together (continuous batching: the slots of the running batch). 96: on the 2-core AVX-512-BF16
+    batch_size: int = 128
+    """Rows decoded together (continuous batching: the slots of the running batch). 128: on the 2-core AVX-512-BF16
     EPYC in bf16, 384 chat requests capped at 192 tokens ran at 469 / 550 / 640 / 655 answer tokens/s at batch 32 /
-    48 / 96 / 128 (docs/decisions.md, "One answerer"); more rows make the GEMMs more efficient until the cache's
-    attention catches up."""
+    48 / 96 / 128, and with the cheaper attention the 600 shipped requests at 424 / 394 against 438 / 433 for batch
+    96 against 128, alternating (docs/decisions.md, "One answerer"): more rows spread each step's fixed costs. A
+    cache of 128 rows of 1,400 slots is ~4 GB in bf16."""
     refill: int | None = None
     """Free slots before waiting prompts join the running batch (None: a quarter of the batch); ``batch_size`` is
     static batching (a batch runs until its longest answer ends), for comparison."""
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--data", default=str(Path(__file__).parents[1] / "shipped_data" / "smollm2-135m-instruct" / "train.jsonl.gz")
     )
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=AnswerConfig.batch_size)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="fastest", help="fastest: the precision policy's distill choice")
     ap.add_argument("--static", action="store_true", help="static batching (refill = batch size), for comparison")

@@ -114,8 +114,8 @@ class BuildConfig:
     """Temperature of the target's answers (0 = greedy)."""
     max_new_tokens: int = 384
     """Cap per answer; answers that hit it are kept and counted."""
-    batch_size: int = 96
-    """Rows decoded together by the answerer (`train.data.answerer.AnswerConfig.batch_size` says why 96)."""
+    batch_size: int = 128
+    """Rows decoded together by the answerer (`train.data.answerer.AnswerConfig.batch_size` says why 128)."""
     answer_limit: int = 0
     """Answer only the first N training conversations (0 = all); the order is a seeded mix of the kinds, so a limit
     keeps their proportions, and a later build with a higher limit (or 0) answers the rest."""

@@ -2,9 +2,11 @@
 the answerer's cache hands it (prefix views of a buffer with spare slots, grouped heads, masked holes, a first block
 with nothing visible), its fallbacks, and greedy decoding with and without it.
 
-Which loops run depends on the host: with AVX-512, head sizes 64 and 128 take the intrinsics; a head size of 48 takes
-the portable loops on every host (and every head size does where AVX-512 is missing), so both are tested wherever
-the suite runs AVX-512, and the portable one everywhere."""
+Which loops run depends on the host: with AVX512-BF16, a bf16 cache's scores at head sizes 64 and 128 take the bf16
+dot products; with AVX-512, the other sizes that are multiples of 16 take the fp32 intrinsics; elsewhere the portable
+loops run. `test_every_instruction_path_equals_sdpa` builds the kernel with those extensions compiled out too, so
+every path a host might take is tested on whatever host runs the suite (a host cannot run what it lacks, so the
+paths compile out, never in)."""
 
 import pytest
 import torch
@@ -64,6 +66,27 @@ def test_equals_sdpa(dtype, shape, mask_kind):
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     else:  # both keep fp32 inside and round once: at most a unit or two in the last place of bf16
         assert (out.float() - ref.float()).abs().max() <= 2 * 2**-8 * ref.float().abs().max()
+
+
+@pytest.mark.integration  # two more builds of the kernel (~20 s each)
+@pytest.mark.parametrize("without", [("avx512bf16",), ("avx512f",)], ids=["no-avx512bf16", "no-avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_instruction_path_equals_sdpa(without, dtype, monkeypatch):
+    """The kernel as a host without AVX512-BF16 (the fp32 intrinsics) or without AVX-512 (the portable loops)
+    compiles it, against SDPA, grouped and not, at head sizes 64, 128 and 48."""
+    build = cda._module(without)
+    assert build is not None, f"the kernel did not build without {without}"
+    monkeypatch.setattr(cda, "_module", lambda: build)
+    for B, Hq, Hkv, S, D in [(3, 9, 3, 130, 64), (2, 4, 2, 7, 128), (4, 6, 6, 64, 48), (2, 8, 1, 70, 64)]:
+        q, k, v, allowed = _case(B, Hq, Hkv, S, D, dtype)
+        mask = _additive(allowed, dtype)
+        module = _Module(Hq // Hkv)
+        ref, _ = sdpa_attention_forward(module, q, k, v, mask, 0.0, D**-0.5, is_causal=False)
+        out, _ = cda.decode_attention(module, q, k, v, mask, 0.0, D**-0.5)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+        else:
+            assert (out.float() - ref.float()).abs().max() <= 2 * 2**-8 * ref.float().abs().max()
 
 
 def test_one_mask_row_broadcast_over_the_batch():

@@ -134,58 +134,59 @@ inline __m512 sum_lanes16(const __m512* v) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// p[g][j] for 16 keys at a time, g < G: ``at_query(g)`` gives row g's ``partial(key row)``, the key's products with
+// it as 16-lane partial sums; the 16 keys' partial sums are reduced together (one horizontal sum per key would cost
+// more than the products). Each key's row is read once for every query row of the group.
+template <typename T, typename AtQuery>
+inline void scores16(const T* k, int64_t ks, int64_t n, int64_t G, float* p, AtQuery at_query) {
+  __m512 part[16];
+  for (int64_t g = 0; g < G; ++g) {
+    const auto partial = at_query(g);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      for (int64_t j = 0; j < 16; ++j) part[j] = j < m ? partial(k + (j0 + j) * ks) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(p + g * BLOCK + j0, static_cast<__mmask16>((1u << m) - 1), sum_lanes16(part));
+    }
+  }
+}
+#endif
+
 // p[g][j] = q_g . k_j for the n <= BLOCK keys from k (rows ks apart), g < G. With AVX-512 and a constant head
-// dimension, 16 keys at a time: each key's row is read once for every query row of the group, the products kept as
-// 16-lane partial sums and reduced together (one horizontal sum per key would cost more than the products). Where
-// the CPU multiplies bf16 pairs (AVX512-BF16) bf16 keys are not widened: the query's bf16 copy qb (exact: the query
-// came in bf16 and is not scaled yet) times 32 key elements per instruction, the products exact, summed in fp32.
-// Otherwise the block is widened into kf and each score is a dot product.
+// dimension, 16 keys at a time (`scores16`). Where the CPU multiplies bf16 pairs (AVX512-BF16) bf16 keys are not
+// widened: the query's bf16 copy qb (exact: the query came in bf16 and is not scaled yet) times 32 key elements per
+// instruction, the products exact, summed in fp32. Otherwise the block is widened into kf and each score is a dot
+// product.
 template <typename T, int64_t DIM>
 inline void block_scores(const T* k, int64_t ks, int64_t n, const float* q, const at::BFloat16* qb, int64_t G,
                          int64_t D, float* kf, float* p) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16> && DIM > 0 && DIM % 32 == 0) {
     constexpr int64_t C = DIM / 32;
-    __m512 part[16];
-    for (int64_t g = 0; g < G; ++g) {
-      __m512bh qc[C];
-      for (int64_t c = 0; c < C; ++c) qc[c] = (__m512bh)_mm512_loadu_si512(qb + g * DIM + 32 * c);
-      for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        const int64_t m = std::min<int64_t>(16, n - j0);
-        for (int64_t j = 0; j < 16; ++j) {
-          __m512 s = _mm512_setzero_ps();
-          if (j < m) {
-            const T* row = k + (j0 + j) * ks;
-            for (int64_t c = 0; c < C; ++c) s = _mm512_dpbf16_ps(s, qc[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
-          }
-          part[j] = s;
-        }
-        _mm512_mask_storeu_ps(p + g * BLOCK + j0, static_cast<__mmask16>((1u << m) - 1), sum_lanes16(part));
-      }
-    }
+    scores16(k, ks, n, G, p, [&](int64_t g) {
+      struct { __m512bh c[C]; } qc;  // a struct, so the lambda below holds the registers by value
+      for (int64_t c = 0; c < C; ++c) qc.c[c] = (__m512bh)_mm512_loadu_si512(qb + g * DIM + 32 * c);
+      return [=](const T* row) {
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C; ++c) s = _mm512_dpbf16_ps(s, qc.c[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
+        return s;
+      };
+    });
     return;
   }
 #endif
 #if defined(__AVX512F__)
   if constexpr (DIM > 0 && DIM % 16 == 0) {
     constexpr int64_t C = DIM / 16;
-    __m512 part[16];
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 qc[C];
-      for (int64_t c = 0; c < C; ++c) qc[c] = _mm512_loadu_ps(q + g * DIM + 16 * c);
-      for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        const int64_t m = std::min<int64_t>(16, n - j0);
-        for (int64_t j = 0; j < 16; ++j) {
-          __m512 s = _mm512_setzero_ps();
-          if (j < m) {
-            const T* row = k + (j0 + j) * ks;
-            for (int64_t c = 0; c < C; ++c) s = _mm512_fmadd_ps(qc[c], load16(row + 16 * c), s);
-          }
-          part[j] = s;
-        }
-        _mm512_mask_storeu_ps(p + g * BLOCK + j0, static_cast<__mmask16>((1u << m) - 1), sum_lanes16(part));
-      }
-    }
+    scores16(k, ks, n, G, p, [&](int64_t g) {
+      struct { __m512 c[C]; } qc;
+      for (int64_t c = 0; c < C; ++c) qc.c[c] = _mm512_loadu_ps(q + g * DIM + 16 * c);
+      return [=](const T* row) {
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C; ++c) s = _mm512_fmadd_ps(qc.c[c], load16(row + 16 * c), s);
+        return s;
+      };
+    });
     return;
   }
 #endif
@@ -359,19 +360,29 @@ def _ninja_on_path() -> None:
 
 
 @functools.cache
-def _module():
-    """The compiled extension, or None where it cannot be built (logged once)."""
+def _module(without: tuple[str, ...] = ()):
+    """The compiled extension, or None where it cannot be built (logged once). ``without``: instruction-set
+    extensions compiled out (``-mno-<name>``, e.g. ``avx512bf16``, ``avx512f``), so the tests run on any host the
+    loops that a host lacking them compiles."""
     from torch.utils.cpp_extension import load_inline
 
     _ninja_on_path()
 
-    digest = hashlib.sha256((_SOURCE + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+    key = _SOURCE + _cpu_flags() + torch.__version__ + " ".join(without)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     try:
         return load_inline(
             name=f"drafters_cpu_decode_{digest}",
             cpp_sources=_SOURCE,
             # -fopenmp: at::parallel_for is a header-inlined OpenMP loop, serial when built without it
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                *(f"-mno-{name}" for name in without),
+                "-ffast-math",
+                "-fno-finite-math-only",
+                "-fopenmp",
+            ],  # fmt: skip
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -1,6 +1,8 @@
 """The Debian Reference prompts (train/data/debian_reference.py): the text edition's layout read into sections and
 prose paragraphs, and the prompts built from them."""
 
+import pytest
+
 from train.data import debian_reference as dr
 from train.data.text_tier import EVAL_RAG, EVAL_SUMMARIZE, EVAL_TRANSLATE
 
@@ -84,3 +86,12 @@ def test_prompts_per_family_and_none_in_an_evaluation_wording():
     evaluation_heads = [w.split("{")[0].strip() for w in (EVAL_TRANSLATE, EVAL_SUMMARIZE, EVAL_RAG)]
     for shape in dr.TRANSLATE_SHAPES + dr.SUMMARY_SHAPES + dr.QUESTION_SHAPES:
         assert not any(head and head in shape for head in evaluation_heads), shape
+
+
+def test_the_newest_package_already_downloaded_is_used_and_none_is_fetched_without_apt(tmp_path, monkeypatch):
+    monkeypatch.setattr(dr.shutil, "which", lambda name: None)  # no apt-get: nothing may be fetched
+    with pytest.raises(SystemExit, match="no .deb in .* and no apt-get"):
+        dr.fetch("de", tmp_path)
+    for version in ("2.99", "2.100", "2.9"):
+        (tmp_path / f"debian-reference-de_{version}_all.deb").write_bytes(b"")
+    assert dr.fetch("de", tmp_path).name == "debian-reference-de_2.100_all.deb"  # by version, not by name

@@ -73,19 +73,25 @@ def package(language: str) -> str:
     return f"debian-reference-{language}"
 
 
+def _newest(download_dir: Path, language: str) -> Path | None:
+    """The edition's .deb of the highest version in ``download_dir`` (2.100 after 2.99), or None."""
+    found = download_dir.glob(f"{package(language)}_*_all.deb")
+    return max(found, key=lambda p: [int(n) for n in re.findall(r"\d+", p.name.split("_")[1])], default=None)
+
+
 def fetch(language: str, download_dir: Path) -> Path:
     """The edition's .deb in ``download_dir``, downloaded by ``apt-get download`` when not there."""
-    found = sorted(download_dir.glob(f"{package(language)}_*_all.deb"))
-    if found:
-        return found[-1]
+    found = _newest(download_dir, language)
+    if found is not None:
+        return found
     if shutil.which("apt-get") is None:
         raise SystemExit(f"{package(language)}: no .deb in {download_dir} and no apt-get to fetch it")
     download_dir.mkdir(parents=True, exist_ok=True)
     run = subprocess.run(["apt-get", "download", package(language)], cwd=download_dir, capture_output=True, text=True)
-    found = sorted(download_dir.glob(f"{package(language)}_*_all.deb"))
-    if run.returncode or not found:
+    found = _newest(download_dir, language)
+    if run.returncode or found is None:
         raise SystemExit(f"apt-get download {package(language)} failed: {run.stderr.strip()[-500:]}")
-    return found[-1]
+    return found
 
 
 def text_edition(deb: Path, language: str) -> str:

@@ -41,8 +41,6 @@ from train.data.files import write_jsonl_gz
 LANGUAGES = {"en": "English", "de": "German", "fr": "French", "es": "Spanish"}
 """Editions read: English for summarization and RAG, the others translated into English."""
 
-SOURCE_LICENCE = "GPL-2+"
-
 TRANSLATE_SHAPES = (
     "Translate this {language} passage from a Linux manual into English.\n\n{text}",
     "{text}\n\nPlease give an English translation of the {language} text above.",
@@ -190,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
             f"no prose paragraphs found in the {', '.join(empty)} edition(s): has the text layout changed?"
         )
     rows = build(editions, args.seed)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl_gz(rows, args.out)
     counts = Counter((r["family"], r["source"]) for r in rows)
     print(json.dumps({f"{family} {source}": n for (family, source), n in sorted(counts.items())}, indent=2))

@@ -143,9 +143,9 @@ for name in summarization-qa translation sampled; do
         [ -e "$p" ] && WRITTEN="$WRITTEN${WRITTEN:+,}$p" && break
     done
 done
-# material made on the CPU that phase A does not regenerate: the tier's material in other shapes, the Debian Reference
+# material made on the CPU that phase A does not regenerate: the tier's material in other shapes, Debian's manuals
 SHIPPED=train/shipped_data/smollm2-135m-instruct-regen/answers
-WRITTEN="$WRITTEN${WRITTEN:+,}$SHIPPED/reshaped,$SHIPPED/debian-reference"
+WRITTEN="$WRITTEN${WRITTEN:+,}$SHIPPED/reshaped,$SHIPPED/debian-reference,$SHIPPED/debian-manuals"
 EXTRA_DATA="data.extra_paths=[train/shipped_data/smollm2-135m-instruct-v2/answers_derived,$WRITTEN]"
 FIRST=$(newest /tmp/e3-text)
 echo "=== phase B: EAGLE-3 starts from ${FIRST:-nothing}; regenerated data: ${WRITTEN:-none}"

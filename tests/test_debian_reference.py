@@ -1,8 +1,9 @@
 """The Debian Reference prompts (train/data/debian_reference.py): the text edition's layout read into sections and
-prose paragraphs, and the prompts built from them."""
+prose paragraphs, and the prompts built from them; the German HTML manuals' paragraphs (train/data/debian_manuals.py)."""
 
 import pytest
 
+from train.data import debian_manuals as dm
 from train.data import debian_reference as dr
 from train.data.text_tier import EVAL_RAG, EVAL_SUMMARIZE, EVAL_TRANSLATE
 
@@ -91,7 +92,36 @@ def test_prompts_per_family_and_none_in_an_evaluation_wording():
 def test_the_newest_package_already_downloaded_is_used_and_none_is_fetched_without_apt(tmp_path, monkeypatch):
     monkeypatch.setattr(dr.shutil, "which", lambda name: None)  # no apt-get: nothing may be fetched
     with pytest.raises(SystemExit, match="no .deb in .* and no apt-get"):
-        dr.fetch("de", tmp_path)
+        dr.fetch("debian-reference-de", tmp_path)
     for version in ("2.99", "2.100", "2.9"):
         (tmp_path / f"debian-reference-de_{version}_all.deb").write_bytes(b"")
-    assert dr.fetch("de", tmp_path).name == "debian-reference-de_2.100_all.deb"  # by version, not by name
+    assert (
+        dr.fetch("debian-reference-de", tmp_path).name == "debian-reference-de_2.100_all.deb"
+    )  # by version, not by name
+
+
+PAGE = """<html><body><h1>Kapitel 1</h1>
+<p>Dieses Dokument beschreibt, wie ein Paket für Debian gebaut wird, und zwar Schritt für Schritt mit
+   <code>dpkg-buildpackage</code> und den Werkzeugen, die dazu gehören, so dass auch Neulinge folgen können.</p>
+<pre>$ dpkg-buildpackage -us -uc</pre>
+<p>Hinweis</p>
+<div><p>Ein zweiter Absatz, der ebenfalls lang genug ist, um übersetzt zu werden, denn er hat mehr als
+fünfundzwanzig Wörter und endet mit einem Punkt, wie es sich für einen Absatz gehört.</p></div>
+</body></html>"""
+
+
+def test_html_manuals_give_their_prose_paragraphs_to_translate():
+    found = dm.paragraphs(PAGE)
+    assert found == [
+        "Dieses Dokument beschreibt, wie ein Paket für Debian gebaut wird, und zwar Schritt für Schritt mit "
+        "dpkg-buildpackage und den Werkzeugen, die dazu gehören, so dass auch Neulinge folgen können.",
+        "Ein zweiter Absatz, der ebenfalls lang genug ist, um übersetzt zu werden, denn er hat mehr als "
+        "fünfundzwanzig Wörter und endet mit einem Punkt, wie es sich für einen Absatz gehört.",
+    ]  # markup inside a paragraph kept as its text; the listing and the one-word label left out
+    rows = dm.build({"maint-guide-de": {"usr/share/doc/x/build.de.html": found + ["Zu kurz."]}}, seed=1)
+    assert [r["id"] for r in sorted(rows, key=lambda r: r["id"])] == [
+        "maint-guide-de-build.de-0",
+        "maint-guide-de-build.de-1",
+    ]
+    assert all(r["family"] == "translation" and "German" in r["messages"][0]["content"] for r in rows)
+    assert rows == dm.build({"maint-guide-de": {"usr/share/doc/x/build.de.html": found + ["Zu kurz."]}}, seed=1)

@@ -71,38 +71,47 @@ def package(language: str) -> str:
     return f"debian-reference-{language}"
 
 
-def _newest(download_dir: Path, language: str) -> Path | None:
-    """The edition's .deb of the highest version in ``download_dir`` (2.100 after 2.99), or None."""
-    found = download_dir.glob(f"{package(language)}_*_all.deb")
+def _newest(download_dir: Path, name: str) -> Path | None:
+    """Package ``name``'s .deb of the highest version in ``download_dir`` (2.100 after 2.99), or None."""
+    found = download_dir.glob(f"{name}_*_all.deb")
     return max(found, key=lambda p: [int(n) for n in re.findall(r"\d+", p.name.split("_")[1])], default=None)
 
 
-def fetch(language: str, download_dir: Path) -> Path:
-    """The edition's .deb in ``download_dir``, downloaded by ``apt-get download`` when not there."""
-    found = _newest(download_dir, language)
+def fetch(name: str, download_dir: Path) -> Path:
+    """Package ``name``'s .deb in ``download_dir``, downloaded by ``apt-get download`` when not there."""
+    found = _newest(download_dir, name)
     if found is not None:
         return found
     if shutil.which("apt-get") is None:
-        raise SystemExit(f"{package(language)}: no .deb in {download_dir} and no apt-get to fetch it")
+        raise SystemExit(f"{name}: no .deb in {download_dir} and no apt-get to fetch it")
     download_dir.mkdir(parents=True, exist_ok=True)
-    run = subprocess.run(["apt-get", "download", package(language)], cwd=download_dir, capture_output=True, text=True)
-    found = _newest(download_dir, language)
+    run = subprocess.run(["apt-get", "download", name], cwd=download_dir, capture_output=True, text=True)
+    found = _newest(download_dir, name)
     if run.returncode or found is None:
-        raise SystemExit(f"apt-get download {package(language)} failed: {run.stderr.strip()[-500:]}")
+        raise SystemExit(f"apt-get download {name} failed: {run.stderr.strip()[-500:]}")
     return found
+
+
+def package_files(deb: Path, suffix: str) -> dict[str, bytes]:
+    """The files of a .deb whose names end with ``suffix``, by path (read with ``dpkg-deb``)."""
+    if shutil.which("dpkg-deb") is None:
+        raise SystemExit(f"{deb}: reading a .deb needs dpkg-deb")
+    tar = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        return {
+            m.name: archive.extractfile(m).read()
+            for m in archive.getmembers()
+            if m.isfile() and m.name.endswith(suffix)
+        }
 
 
 def text_edition(deb: Path, language: str) -> str:
     """The plain-text edition inside the package (``debian-reference.<lang>.txt.gz``)."""
-    if shutil.which("dpkg-deb") is None:
-        raise SystemExit(f"{deb}: reading a .deb needs dpkg-deb")
-    tar = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True, check=True).stdout
     name = f"debian-reference.{language}.txt.gz"
-    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
-        member = next((m for m in archive.getmembers() if m.name.endswith("/" + name)), None)
-        if member is None:
-            raise SystemExit(f"{deb}: no {name} inside")
-        return gzip.decompress(archive.extractfile(member).read()).decode("utf-8")
+    found = package_files(deb, "/" + name)
+    if not found:
+        raise SystemExit(f"{deb}: no {name} inside")
+    return gzip.decompress(next(iter(found.values()))).decode("utf-8")
 
 
 def is_prose(paragraph: str) -> bool:
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--languages", nargs="+", default=list(LANGUAGES), choices=list(LANGUAGES))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    editions = {lang: sections(text_edition(fetch(lang, args.download_dir), lang)) for lang in args.languages}
+    editions = {lang: sections(text_edition(fetch(package(lang), args.download_dir), lang)) for lang in args.languages}
     empty = [lang for lang, found in editions.items() if not any(p for _, p in found)]
     if empty:
         raise SystemExit(

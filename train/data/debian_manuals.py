@@ -21,8 +21,9 @@ from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
 
-from train.data.debian_reference import PARAGRAPH_WORDS, TRANSLATE_SHAPES, fetch, is_prose, package_files, prompt_row
+from train.data.debian_reference import PARAGRAPH_WORDS, TRANSLATE_SHAPES, fetch, is_prose, package_files
 from train.data.files import write_jsonl_gz
+from train.data.reshaped import prompt_row
 
 MANUALS = {"maint-guide-de": ".de.html", "debian-faq-de": ".de.html"}
 """Package → the suffix of its German HTML pages."""

@@ -37,6 +37,7 @@ from collections import Counter
 from pathlib import Path
 
 from train.data.files import write_jsonl_gz
+from train.data.reshaped import prompt_row
 
 LANGUAGES = {"en": "English", "de": "German", "fr": "French", "es": "Spanish"}
 """Editions read: English for summarization and RAG, the others translated into English."""
@@ -150,11 +151,6 @@ def sections(text: str) -> list[tuple[str, list[str]]]:
             close_block()
     close_block()
     return out
-
-
-def prompt_row(family: str, source: str, rid: str, user: str) -> dict:
-    """A row of one user turn, answered by `scripts/regenerate.py`."""
-    return {"id": rid, "family": family, "source": source, "messages": [{"role": "user", "content": user}]}
 
 
 def build(editions: dict[str, list[tuple[str, list[str]]]], seed: int = 0) -> list[dict]:

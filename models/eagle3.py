@@ -328,6 +328,37 @@ class Eagle3Drafter(nn.Module):
             self.fc.weight.zero_()
             self.fc.weight[:, -H:] = torch.eye(H, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
 
+    @torch.no_grad()
+    def with_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor, target: TargetModel) -> Eagle3Drafter:
+        """A copy of this trained drafter over another draft vocabulary (size ``d2t.shape[0]``).
+
+        Every weight but ``lm_head`` is carried over. A token in both vocabularies keeps its trained row. A new
+        token's row is the target's lm_head row for it sent through the least-squares linear map that takes the
+        target's rows of the old vocabulary to their trained rows: a trained head is no longer the target's, and
+        the target's own rows, scored against the drafter's hidden state, outbid the trained ones on tokens they
+        should lose (first-draft accuracy on a tuning file 0.43 → 0.24 when in-context tokens outside the
+        vocabulary were scored so; through the map, 0.43; docs/decisions.md, "The draft vocabulary rebuilt")."""
+        cfg = dataclasses.replace(self.config, draft_vocab_size=int(d2t.shape[0]))
+        weight = self.lm_head.weight
+        new = type(self)(cfg, self.target_info).place(weight.device, weight.dtype)
+        carried = {k: v for k, v in self.state_dict().items() if not k.startswith(("lm_head.", "d2t", "t2d"))}
+        new.load_state_dict(carried, strict=False)  # the rest (lm_head, d2t, t2d) is set below
+        new.set_draft_vocab(d2t.to(self.d2t.device), t2d.to(self.t2d.device))
+        rows_of = target.lm_head.weight.detach().float().to(weight.device)
+        old_ids, new_ids = self.draft_to_target, new.draft_to_target
+        source, trained = rows_of[old_ids], weight.float()
+        # ridge-regularised normal equations: H x H, solved once; the regulariser only guards a degenerate Gram
+        gram = source.T @ source
+        ridge = 1e-4 * gram.diagonal().mean() * torch.eye(gram.shape[0], device=gram.device)
+        mapping = torch.linalg.solve(gram + ridge, source.T @ trained)
+        rows = rows_of[new_ids] @ mapping
+        old_row = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=weight.device)
+        old_row[old_ids] = torch.arange(old_ids.shape[0], device=weight.device)
+        kept = old_row[new_ids]
+        rows[kept >= 0] = trained[kept[kept >= 0]]
+        new.lm_head.weight.copy_(rows.to(weight.dtype))
+        return new
+
     @property
     def draft_to_target(self) -> torch.Tensor:
         """[Vd] int64 target id of every draft id."""

@@ -189,3 +189,27 @@ def test_set_draft_vocab_maps_draft_ids_to_target_ids():
     assert drafter.draft_to_target.tolist() == [10, 50, 90]
     with pytest.raises(ValueError):
         drafter.set_draft_vocab(torch.zeros(4, dtype=torch.long), torch.zeros(96, dtype=torch.bool))
+
+
+def test_a_rebuilt_vocabulary_keeps_trained_rows_and_maps_the_target_rows_of_new_ones():
+    target = make_target()
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=40)
+    old_counts, new_counts = torch.zeros(96, dtype=torch.long), torch.zeros(96, dtype=torch.long)
+    old_counts[10:50], new_counts[30:90] = 1, 1
+    drafter.set_draft_vocab(*build_draft_vocab(old_counts, 40))
+    # a "trained" head that is an exact linear map A of the target's rows: new rows must come out through A
+    rows_of = target.lm_head.weight.detach()
+    A = torch.randn(32, 32, generator=torch.Generator().manual_seed(3)) / 6
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(rows_of[10:50] @ A)
+        drafter.fc.weight.normal_()
+    new = drafter.with_draft_vocab(*build_draft_vocab(new_counts, 60), target)
+
+    assert new.config.draft_vocab_size == 60 and new.lm_head.weight.shape == (60, 32)
+    assert new.draft_to_target.tolist() == list(range(30, 90))
+    assert torch.equal(new.lm_head.weight[:20], drafter.lm_head.weight[20:40])  # ids 30..49: the trained rows
+    torch.testing.assert_close(new.lm_head.weight[20:], rows_of[50:90] @ A, rtol=1e-3, atol=1e-3)
+    for name, value in drafter.state_dict().items():
+        if not name.startswith(("lm_head", "d2t", "t2d")):
+            assert torch.equal(new.state_dict()[name], value), name
+    assert drafter.draft_to_target.tolist() == list(range(10, 50))  # the source drafter is left as it was

@@ -72,7 +72,12 @@ class DrafterConfig:
     (the scores written out; any device) or "auto" (flash on CPU, dense elsewhere). Same results
     (`models/ttt_attention.py`)."""
     init_from: str | None = None
-    """Fine-tune an existing drafter checkpoint: its weights and its draft vocabulary are reused (never rebuilt)."""
+    """Fine-tune an existing drafter checkpoint: its weights and its draft vocabulary are reused (unless
+    ``rebuild_vocab``)."""
+    rebuild_vocab: bool = False
+    """With ``init_from``: build the draft vocabulary again from this recipe's data at ``draft_vocab_size``; shared
+    tokens keep their trained lm_head rows, new ones start from the target's rows mapped into the trained head's
+    space (`Eagle3Drafter.with_draft_vocab`). For a drafter whose vocabulary came from less or other data."""
     norm_before_fc: bool = False
     """Opt-in: RMSNorm over the 3H features before fc."""
     init_head_from_target: bool = False
@@ -82,6 +87,10 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 1 or self.ttt_steps < 1 or not 0 < self.step_weight <= 1:
             raise ValueError("need draft_vocab_size >= 1, ttt_steps >= 1 and 0 < step_weight <= 1")
+        if self.rebuild_vocab and not self.init_from:
+            raise ValueError(
+                "drafter.rebuild_vocab rebuilds a trained drafter's vocabulary: it needs drafter.init_from"
+            )
         if self.ttt_attention not in IMPLEMENTATIONS:
             raise ValueError(f"drafter.ttt_attention must be one of {IMPLEMENTATIONS}, got {self.ttt_attention!r}")
 
@@ -126,29 +135,41 @@ def build_drafter(cfg: Eagle3RecipeConfig, loaded: TargetAndData, log) -> Eagle3
     """Fine-tune start, resume, or fresh drafter; the draft vocabulary is built once and then always reused."""
     target, tokenizer, eval_set = loaded.target, loaded.tokenizer, loaded.eval_set
     if cfg.drafter.init_from:
-        log(f"drafter: fine-tuning {cfg.drafter.init_from} (weights and draft vocabulary reused)")
         # fp32 weights to train, as a fresh drafter's (the loader places a drafter in the target's dtype)
-        return Eagle3Drafter.from_pretrained(cfg.drafter.init_from, target, tokenizer).float()
-    drafter = Eagle3Drafter.from_target(
-        target, cfg.drafter.draft_vocab_size, tokenizer, norm_before_fc=cfg.drafter.norm_before_fc
-    )
+        drafter = Eagle3Drafter.from_pretrained(cfg.drafter.init_from, target, tokenizer).float()
+        if not cfg.drafter.rebuild_vocab:
+            log(f"drafter: fine-tuning {cfg.drafter.init_from} (weights and draft vocabulary reused)")
+            return drafter
+        log(f"drafter: fine-tuning {cfg.drafter.init_from} over a rebuilt draft vocabulary")
+        before = drafter.t2d.cpu()
+    else:
+        drafter = Eagle3Drafter.from_target(
+            target, cfg.drafter.draft_vocab_size, tokenizer, norm_before_fc=cfg.drafter.norm_before_fc
+        )
     vocab_file = Path(cfg.train.output_dir) / "draft_vocab.safetensors"
     counts = count_loss_tokens(loaded.train_set, target.vocab_size)
+    heldout_counts = None if eval_set is None else count_loss_tokens(eval_set, target.vocab_size)
     if vocab_file.exists():
         maps = load_file(str(vocab_file))
         d2t, t2d = maps["d2t"], maps["t2d"]
         log(f"draft vocabulary reused from {vocab_file}")
     else:
         d2t, t2d = build_draft_vocab(counts, cfg.drafter.draft_vocab_size)
-    drafter.set_draft_vocab(d2t, t2d)
-    if cfg.drafter.init_head_from_target:
-        drafter.init_head_from_target(target)
-    heldout = ""
-    if eval_set is not None:  # coverage of unseen answers: what the served drafter can reach at all
-        heldout = f" and {coverage(count_loss_tokens(eval_set, target.vocab_size), drafter.t2d.cpu()):.1%} of the held-out ones"
+
+    def covered(t2d: torch.Tensor) -> str:
+        # coverage of unseen answers: what the served drafter can reach at all
+        heldout = "" if heldout_counts is None else f" and {coverage(heldout_counts, t2d):.1%} of the held-out ones"
+        return f"{coverage(counts, t2d):.1%} of the training targets{heldout}"
+
+    if cfg.drafter.init_from:
+        log(f"draft vocabulary before: {int(before.sum())} ids cover {covered(before)}")
+        drafter = drafter.with_draft_vocab(d2t, t2d, target)
+    else:
+        drafter.set_draft_vocab(d2t, t2d)
+        if cfg.drafter.init_head_from_target:
+            drafter.init_head_from_target(target)
     log(
-        f"draft vocabulary: {cfg.drafter.draft_vocab_size} of {target.vocab_size} ids cover "
-        f"{coverage(counts, drafter.t2d.cpu()):.1%} of the training targets{heldout}"
+        f"draft vocabulary: {cfg.drafter.draft_vocab_size} of {target.vocab_size} ids cover {covered(drafter.t2d.cpu())}"
     )
     return drafter
 

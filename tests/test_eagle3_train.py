@@ -369,7 +369,7 @@ def test_recipe_trains_saves_exports_reports_and_resumes(tiny_recipe, tmp_path, 
 
 
 @pytest.mark.integration
-def test_a_fine_tune_over_a_rebuilt_vocabulary_saves_and_resumes_over_it(tiny_recipe, tmp_path, capsys):
+def test_a_fine_tune_says_its_vocabulary_coverage_and_a_rebuilt_one_saves_and_resumes(tiny_recipe, tmp_path, capsys):
     first, second = tmp_path / "first", tmp_path / "second"
     quiet = ("report.enabled=false", "train.export=false", "self_distill.samples=0")
     recipe.main(recipe_args(tiny_recipe, first, "train.max_steps=2", *quiet))
@@ -377,7 +377,10 @@ def test_a_fine_tune_over_a_rebuilt_vocabulary_saves_and_resumes_over_it(tiny_re
     again = (f"drafter.init_from={first}", "drafter.rebuild_vocab=true", "drafter.draft_vocab_size=200", *quiet)
     recipe.main(recipe_args(tiny_recipe, second, "train.max_steps=2", *again))
     printed = capsys.readouterr().out
-    assert re.search(r"draft vocabulary before: 128 ids cover [\d.]+% of the training targets", printed)
+    assert re.search(
+        r"over a rebuilt draft vocabulary\); its draft vocabulary of 128 ids covers [\d.]+% of the training targets",
+        printed,
+    )
     assert re.search(r"draft vocabulary: 200 of \d+ ids cover", printed)
     saved, vocab = load_file(str(second / "model.safetensors")), load_file(str(second / "draft_vocab.safetensors"))
     assert saved["lm_head.weight"].shape[0] == 200 and torch.equal(saved["d2t"], vocab["d2t"])
@@ -385,6 +388,9 @@ def test_a_fine_tune_over_a_rebuilt_vocabulary_saves_and_resumes_over_it(tiny_re
     printed = capsys.readouterr().out
     assert "resumed at step 2" in printed and "draft vocabulary reused from" in printed
     assert torch.equal(load_file(str(second / "model.safetensors"))["t2d"], vocab["t2d"])
+    # a plain fine-tune says how much of its new data the reused vocabulary covers
+    recipe.main(recipe_args(tiny_recipe, tmp_path / "third", "train.max_steps=1", f"drafter.init_from={first}", *quiet))
+    assert re.search(r"vocabulary reused\); its draft vocabulary of 128 ids covers [\d.]+%", capsys.readouterr().out)
     with pytest.raises(ValueError, match="needs drafter.init_from"):
         parse_cli(recipe.Eagle3RecipeConfig, recipe_args(tiny_recipe, tmp_path / "x", "drafter.rebuild_vocab=true"))
 

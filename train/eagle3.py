@@ -134,27 +134,8 @@ def reference_corpus_writer(cfg: Eagle3RecipeConfig, log) -> Callable[[object], 
 def build_drafter(cfg: Eagle3RecipeConfig, loaded: TargetAndData, log) -> Eagle3Drafter:
     """Fine-tune start, resume, or fresh drafter; the draft vocabulary is built once and then always reused."""
     target, tokenizer, eval_set = loaded.target, loaded.tokenizer, loaded.eval_set
-    if cfg.drafter.init_from:
-        # fp32 weights to train, as a fresh drafter's (the loader places a drafter in the target's dtype)
-        drafter = Eagle3Drafter.from_pretrained(cfg.drafter.init_from, target, tokenizer).float()
-        if not cfg.drafter.rebuild_vocab:
-            log(f"drafter: fine-tuning {cfg.drafter.init_from} (weights and draft vocabulary reused)")
-            return drafter
-        log(f"drafter: fine-tuning {cfg.drafter.init_from} over a rebuilt draft vocabulary")
-        before = drafter.t2d.cpu()
-    else:
-        drafter = Eagle3Drafter.from_target(
-            target, cfg.drafter.draft_vocab_size, tokenizer, norm_before_fc=cfg.drafter.norm_before_fc
-        )
-    vocab_file = Path(cfg.train.output_dir) / "draft_vocab.safetensors"
     counts = count_loss_tokens(loaded.train_set, target.vocab_size)
     heldout_counts = None if eval_set is None else count_loss_tokens(eval_set, target.vocab_size)
-    if vocab_file.exists():
-        maps = load_file(str(vocab_file))
-        d2t, t2d = maps["d2t"], maps["t2d"]
-        log(f"draft vocabulary reused from {vocab_file}")
-    else:
-        d2t, t2d = build_draft_vocab(counts, cfg.drafter.draft_vocab_size)
 
     def covered(t2d: torch.Tensor) -> str:
         # coverage of unseen answers: what the served drafter can reach at all
@@ -162,7 +143,28 @@ def build_drafter(cfg: Eagle3RecipeConfig, loaded: TargetAndData, log) -> Eagle3
         return f"{coverage(counts, t2d):.1%} of the training targets{heldout}"
 
     if cfg.drafter.init_from:
-        log(f"draft vocabulary before: {int(before.sum())} ids cover {covered(before)}")
+        # fp32 weights to train, as a fresh drafter's (the loader places a drafter in the target's dtype)
+        drafter = Eagle3Drafter.from_pretrained(cfg.drafter.init_from, target, tokenizer).float()
+        how = "over a rebuilt draft vocabulary" if cfg.drafter.rebuild_vocab else "weights and draft vocabulary reused"
+        # a vocabulary chosen from other data can miss much of this data's targets (docs/decisions.md)
+        log(
+            f"drafter: fine-tuning {cfg.drafter.init_from} ({how}); its draft vocabulary of "
+            f"{drafter.config.draft_vocab_size} ids covers {covered(drafter.t2d.cpu())}"
+        )
+        if not cfg.drafter.rebuild_vocab:
+            return drafter
+    else:
+        drafter = Eagle3Drafter.from_target(
+            target, cfg.drafter.draft_vocab_size, tokenizer, norm_before_fc=cfg.drafter.norm_before_fc
+        )
+    vocab_file = Path(cfg.train.output_dir) / "draft_vocab.safetensors"
+    if vocab_file.exists():
+        maps = load_file(str(vocab_file))
+        d2t, t2d = maps["d2t"], maps["t2d"]
+        log(f"draft vocabulary reused from {vocab_file}")
+    else:
+        d2t, t2d = build_draft_vocab(counts, cfg.drafter.draft_vocab_size)
+    if cfg.drafter.init_from:
         drafter = drafter.with_draft_vocab(d2t, t2d, target)
     else:
         drafter.set_draft_vocab(d2t, t2d)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import train.eagle3 as recipe
 from models.config import parse_cli
 from tests.conftest import recipe_args, run_to_end
-from train.losses import shift_left, ttt_loss, ttt_targets
+from train.losses import TTTTargets, copy_weights, lookup_hits, shift_left, ttt_loss, ttt_targets
 from train.optim import warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -411,6 +411,17 @@ def test_offline_features_match_online_losses(tiny_recipe, tmp_path):
 
 
 @pytest.mark.integration
+def test_copy_weight_reweights_the_loss_of_the_same_forward(tiny_recipe, tmp_path):
+    common = ("train.max_steps=1", "train.log_every=1", "report.enabled=false", "train.export=false")
+    recipe.main(recipe_args(tiny_recipe, tmp_path / "plain", *common))
+    recipe.main(recipe_args(tiny_recipe, tmp_path / "copy", *common, "drafter.copy_weight=4.0"))
+    (plain,) = [r for r in read_log(tmp_path / "plain") if "step" in r]
+    (copy,) = [r for r in read_log(tmp_path / "copy") if "step" in r]
+    assert copy["acc"] == plain["acc"]  # same init, same batch: the same drafts
+    assert copy["loss"] != pytest.approx(plain["loss"], rel=1e-4)  # weighted otherwise
+
+
+@pytest.mark.integration
 def test_two_cpu_ranks_through_torchrun_train_on_disjoint_shards(tiny_recipe, tmp_path):
     """torchrun without accelerate's launcher (the engines' launches: tests/test_engines.py)."""
     out = tmp_path / "torchrun"
@@ -464,3 +475,40 @@ def test_draft_model_is_cut_from_the_target_and_distilled(tiny_recipe, tmp_path)
     wrapped = TargetModel(target)
     ref = generate_vanilla(wrapped, [prompt], params).tokens
     assert generate_speculative(wrapped, DraftModelProposer(draft, k=3), [prompt], params).tokens == ref
+
+
+def test_lookup_hits_mark_the_tokens_a_two_then_one_gram_match_proposes():
+    #        0  1  2  3  4  5  6  7  8
+    ids = [[5, 6, 7, 5, 6, 7, 6, 9, 5]]
+    hits = lookup_hits(torch.tensor(ids))
+    # at 4 the 2-gram (7, 5) is new and the 1-gram 5 proposes 6 (from 0-1): a hit; at 5 (5, 6) proposes 7: a hit;
+    # at 6 (6, 7) proposes 5 (from 1-3): a miss; at 7 (7, 6) is new and 6 proposes 7 (from 4-5): a miss;
+    # at 8 nothing has followed 9
+    assert hits[0].tolist() == [False, False, False, False, True, True, False, False, False]
+    # a packed second sample sees nothing of the first
+    packed = lookup_hits(torch.tensor([[5, 6, 7, 5, 6, 7]]), torch.tensor([[0, 0, 0, 1, 1, 1]]))
+    assert packed[0].tolist() == [False] * 6
+
+
+def test_copy_weights_read_the_token_each_step_predicts_and_ones_give_the_plain_loss():
+    hits = torch.tensor([[False, False, True, False, True, False]])
+    masks = [
+        torch.tensor([[True, True, True, True, False, False]]),
+        torch.tensor([[True, True, True, False, False, False]]),
+    ]
+    w = copy_weights(hits, masks, 3.0)
+    assert w[0].tolist() == [3.0, 1.0, 3.0, 1.0]  # step 0 at t reads token t+2
+    assert w[1].tolist() == [1.0, 3.0, 1.0]  # step 1 at t reads token t+3
+    torch.manual_seed(0)
+    logits = [torch.randn(4, 7), torch.randn(3, 7)]
+    targets = TTTTargets(
+        masks, [torch.randn(4, 7).softmax(-1), torch.randn(3, 7).softmax(-1)], [torch.zeros(4), torch.zeros(3)]
+    )
+    plain = ttt_loss(logits, targets)
+    torch.testing.assert_close(
+        ttt_loss(logits, targets, position_weights=copy_weights(hits, masks, 1.0)).loss, plain.loss
+    )
+    weighted = ttt_loss(logits, targets, step_weight=1.0, position_weights=w)
+    ce0 = -(targets.labels[0] * logits[0].log_softmax(-1)).sum(-1)
+    ce1 = -(targets.labels[1] * logits[1].log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(weighted.loss, (w[0] * ce0).sum() / w[0].sum() + (w[1] * ce1).sum() / w[1].sum())

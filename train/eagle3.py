@@ -51,7 +51,7 @@ from train.loop import (  # noqa: E402
     load_target_and_data,
     start_training,
 )
-from train.losses import TTTLoss, ttt_loss, ttt_targets  # noqa: E402
+from train.losses import TTTLoss, copy_weights, lookup_hits, ttt_loss, ttt_targets  # noqa: E402
 from train.optim import adamw  # noqa: E402
 from train.progress import Progress, record  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
@@ -67,6 +67,10 @@ class DrafterConfig:
     """Training-time-test unroll length (EAGLE-3 / SpecForge 7; speculators 3)."""
     step_weight: float = 0.8
     """Loss weight of TTT step i is step_weight ** i."""
+    copy_weight: float = 1.0
+    """Loss weight of the positions whose token prompt lookup would have proposed (`train.losses.lookup_hits`: a
+    copy from the context), relative to the others; 1 is the plain loss. The shipped drafter is right less often
+    there than elsewhere (docs/decisions.md, "Where EAGLE-3's first draft misses: it does not copy")."""
     ttt_attention: str = "auto"
     """How the unroll's attention is computed: "flash" (CPU: one flash-kernel pass and a log-sum-exp merge), "dense"
     (the scores written out; any device) or "auto" (flash on CPU, dense elsewhere). Same results
@@ -87,6 +91,8 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 1 or self.ttt_steps < 1 or not 0 < self.step_weight <= 1:
             raise ValueError("need draft_vocab_size >= 1, ttt_steps >= 1 and 0 < step_weight <= 1")
+        if self.copy_weight <= 0:
+            raise ValueError(f"drafter.copy_weight must be > 0, got {self.copy_weight}")
         if self.rebuild_vocab and not self.init_from:
             raise ValueError(
                 "drafter.rebuild_vocab rebuilds a trained drafter's vocabulary: it needs drafter.init_from"
@@ -243,7 +249,11 @@ def ttt_step(accelerator, drafter, target, batch: dict[str, torch.Tensor], dc: D
     with accelerator.accumulate(drafter), accelerator.autocast():  # no all-reduce before the boundary
         features = aux.to(model.fc.weight.dtype)
         logits = drafter(features, batch["input_ids"], positions, allowed, dc.ttt_steps, labels.masks, dc.ttt_attention)
-        res = ttt_loss(logits, labels, dc.step_weight)
+        weights = None
+        if dc.copy_weight != 1.0:
+            hits = lookup_hits(batch["input_ids"], sample_ids)
+            weights = copy_weights(hits, labels.masks, dc.copy_weight)
+        res = ttt_loss(logits, labels, dc.step_weight, weights)
         accelerator.backward(res.loss)  # divided by train.grad_accum there
     return res
 

@@ -84,23 +84,70 @@ def ttt_targets(
     return TTTTargets(masks, labels, top)
 
 
-def ttt_loss(draft_logits: list[torch.Tensor], targets: TTTTargets, step_weight: float = 0.8) -> TTTLoss:
+def ttt_loss(
+    draft_logits: list[torch.Tensor],
+    targets: TTTTargets,
+    step_weight: float = 0.8,
+    position_weights: list[torch.Tensor] | None = None,
+) -> TTTLoss:
     """Soft cross-entropy of every TTT step against the target distribution on the draft vocabulary.
 
     draft_logits: per step i, [N_i, Vd] at the positions ``targets.masks[i]`` selects (in its row-major order; the
     drafter's forward computes them there only). Step i's loss is the mean over its positions, weighted by
-    ``step_weight ** i`` (EAGLE-3 / SpecForge: 0.8)."""
+    ``step_weight ** i`` (EAGLE-3 / SpecForge: 0.8). ``position_weights`` (per step, [N_i], e.g. `copy_weights`)
+    makes that mean a weighted one; none is the plain mean."""
     total = torch.zeros((), device=targets.masks[0].device)
     step_loss, step_correct, step_count = [], [], []
     for i, logits in enumerate(draft_logits):
         logp = F.log_softmax(logits.float(), dim=-1)
         count = targets.masks[i].sum()
-        loss_i = -(targets.labels[i] * logp).sum() / count.clamp(min=1)
+        per_position = -(targets.labels[i] * logp).sum(-1)
+        if position_weights is None:
+            loss_i = per_position.sum() / count.clamp(min=1)
+        else:
+            w = position_weights[i]
+            loss_i = (w * per_position).sum() / w.sum().clamp(min=1e-6)
         total = total + (step_weight**i) * loss_i
         step_loss.append(loss_i.detach())
         step_correct.append((logits.argmax(-1) == targets.top[i]).sum())
         step_count.append(count)
     return TTTLoss(total, torch.stack(step_loss), torch.stack(step_correct), torch.stack(step_count))
+
+
+def lookup_hits(input_ids: torch.Tensor, sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] bool: token t is what prompt lookup would propose after tokens < t of its sample, i.e. the token after
+    the latest earlier occurrence of the last two tokens, else of the last one (Saxena 2023, a 2-gram then 1-gram
+    match). Where this is true the next token is a copy from the context."""
+    ids = input_ids.tolist()
+    same = None if sample_ids is None else sample_ids.tolist()
+    hits = torch.zeros(input_ids.shape, dtype=torch.bool)
+    for b, row in enumerate(ids):
+        after2: dict[tuple[int, int], int] = {}  # (x[p-2], x[p-1]) → x[p] of its latest occurrence
+        after1: dict[int, int] = {}
+        start = 0
+        for p in range(1, len(row)):
+            if same is not None and same[b][p] != same[b][p - 1]:  # a new packed sample: nothing before it counts
+                after2, after1, start = {}, {}, p
+                continue
+            key2 = (row[p - 2], row[p - 1]) if p - 2 >= start else None
+            guess = after2.get(key2) if key2 is not None else None
+            if guess is None:
+                guess = after1.get(row[p - 1])
+            hits[b, p] = guess == row[p]
+            if key2 is not None:
+                after2[key2] = row[p]
+            after1[row[p - 1]] = row[p]
+    return hits.to(input_ids.device)
+
+
+def copy_weights(hits: torch.Tensor, masks: list[torch.Tensor], weight: float) -> list[torch.Tensor]:
+    """Per TTT step i, [N_i] float: ``weight`` where the token step i predicts at a trained position t (token
+    t+2+i, `ttt_targets`) is a lookup hit (`lookup_hits`), else 1."""
+    out = []
+    for i, mask in enumerate(masks):
+        hit = shift_left(hits, 2 + i, False)[mask]
+        out.append(torch.where(hit, weight, 1.0).to(torch.float32))
+    return out
 
 
 def position_targets(

@@ -1,0 +1,86 @@
+"""Does an EAGLE-3 drafter copy? Its first draft, teacher-forced on the target's features over the target's greedy
+answers to a prompt file, split by whether prompt lookup would have proposed the token there
+(`train.losses.lookup_hits`: a 2-gram, else 1-gram match in the context).
+
+    python -m scripts.copy_probe --prompts eval/prompts/specbench_style.jsonl models/smollm2_eagle3 [OTHER_DIR ...]
+
+Every drafter reads the same answers (the target's greedy text, first turns, up to ``--max-new-tokens``), so rows
+compare. Accuracy here is what served greedy decoding accepts at the first draft position of each round, counted at
+every answer position instead of once a round; it does not depend on timing, so this may run beside other work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+
+from eval.prompts import chat_ids, load_prompt_file
+from infer.families import load_drafter
+from infer.generate import generate_vanilla
+from infer.sampling import SamplingParams
+from models.checkpoint import read_checkpoint
+from models.eagle3 import Eagle3Drafter, FusedStep
+from models.loader import load_target
+from models.target import TargetConfig, TargetModel
+from models.tokenizer import load_tokenizer, stop_ids
+from train.losses import lookup_hits
+
+
+@torch.inference_mode()
+def first_drafts(target: TargetModel, drafter: Eagle3Drafter, sequence: list[int]) -> torch.Tensor:
+    """[len(sequence)] target ids: at t >= 2 the drafter's first draft for token t after the target's features of
+    tokens < t-1 and token t-1 (the pair that predicts it); -1 before."""
+    full = torch.tensor(sequence, device=target.device)[None]
+    m = full.shape[1] - 1
+    fused = FusedStep(drafter)
+    aux = target(full).aux_hidden.to(drafter.fc.weight.dtype)
+    causal = torch.ones(m, m, dtype=torch.bool, device=target.device).tril()[None]
+    out = fused.step(
+        fused.project_features(aux[:, :m]), full[:, 1:], torch.arange(m, device=target.device)[None], causal
+    )
+    drafts = torch.full((len(sequence),), -1, dtype=torch.long)
+    drafts[2:] = drafter.draft_to_target[out.logits[0, :-1].argmax(-1)].cpu()  # pair i predicts token i+2
+    return drafts
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("drafters", nargs="+", help="EAGLE-3 checkpoint folders (the same target)")
+    ap.add_argument("--prompts", required=True, help="Spec-Bench-format file (first turns are answered)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--out", help="write the rows as JSON here too")
+    args = ap.parse_args(argv)
+    _, info = read_checkpoint(args.drafters[0])
+    cfg = TargetConfig(name_or_path=info.target_name, aux_layer_ids=info.aux_layer_ids)
+    tokenizer = load_tokenizer(cfg.name_or_path)
+    target = load_target(args.drafters[0], cfg)
+    answers = []  # (family, sequence, prompt length)
+    for p in load_prompt_file(args.prompts):
+        ids = chat_ids(tokenizer, [{"role": "user", "content": p.turns[0]}])
+        result = generate_vanilla(target, [ids], SamplingParams(temperature=0.0), stop_ids(tokenizer, target.hf_model))
+        answers.append((p.category, ids + list(result.tokens[0][: args.max_new_tokens]), len(ids)))
+    rows = []
+    for path in args.drafters:
+        drafter = load_drafter(path, target, tokenizer).eval()
+        tally: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for family, sequence, prompt_len in answers:
+            drafts = first_drafts(target, drafter, sequence)
+            hits = lookup_hits(torch.tensor([sequence]))[0]
+            for t in range(max(prompt_len, 2), len(sequence)):
+                right = int(drafts[t] == sequence[t])
+                for key in ("all", family, "lookup right" if hits[t] else "lookup wrong"):
+                    tally[key][0] += right
+                    tally[key][1] += 1
+        row = {"drafter": path, **{k: {"accuracy": a / n, "positions": n} for k, (a, n) in tally.items()}}
+        rows.append(row)
+        print(path, " ".join(f"{k} {v['accuracy']:.3f} ({v['positions']})" for k, v in row.items() if k != "drafter"))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -359,6 +359,22 @@ class Eagle3Drafter(nn.Module):
         new.lm_head.weight.copy_(rows.to(weight.dtype))
         return new
 
+    @torch.inference_mode()
+    def first_drafts(self, target: TargetModel, sequence: list[int]) -> torch.Tensor:
+        """[len(sequence)] target ids: at t >= 2 the first draft for token t that a served greedy round drafts after
+        the target cached tokens < t-1 (the pair of their last feature and token t-1 predicts it), teacher-forced
+        over the whole sequence in one step; -1 before (`scripts/copy_probe.py`)."""
+        full = torch.tensor(sequence, device=target.device)[None]
+        m = full.shape[1] - 1
+        fused = FusedStep(self)
+        aux = target(full).aux_hidden.to(self.fc.weight.dtype)
+        causal = torch.ones(m, m, dtype=torch.bool, device=target.device).tril()[None]
+        positions = torch.arange(m, device=target.device)[None]
+        out = fused.step(fused.project_features(aux[:, :m]), full[:, 1:], positions, causal)
+        drafts = torch.full((len(sequence),), -1, dtype=torch.long)
+        drafts[2:] = self.draft_to_target[out.logits[0, :-1].argmax(-1)].cpu()  # pair i predicts token i+2
+        return drafts
+
     @property
     def draft_to_target(self) -> torch.Tensor:
         """[Vd] int64 target id of every draft id."""

@@ -1,8 +1,11 @@
-"""Does an EAGLE-3 drafter copy? Its first draft, teacher-forced on the target's features over the target's greedy
+"""Does a drafter copy? Its first draft, teacher-forced on the target's features over the target's greedy
 answers to a prompt file, split by whether prompt lookup would have proposed the token there
 (`train.losses.lookup_hits`: a 2-gram, else 1-gram match in the context).
 
     python -m scripts.copy_probe --prompts eval/prompts/specbench_style.jsonl models/smollm2_eagle3 [OTHER_DIR ...]
+
+The drafter's class gives the first drafts (``first_drafts(target, sequence)``; the families with a teacher-forced
+first draft have it).
 
 Every drafter reads the same answers (the target's greedy text, first turns, up to ``--max-new-tokens``), so rows
 compare. Accuracy here is what served greedy decoding accepts at the first draft position of each round, counted at
@@ -22,33 +25,15 @@ from infer.families import load_drafter
 from infer.generate import generate_vanilla
 from infer.sampling import SamplingParams
 from models.checkpoint import read_checkpoint
-from models.eagle3 import Eagle3Drafter, FusedStep
 from models.loader import load_target
-from models.target import TargetConfig, TargetModel
+from models.target import TargetConfig
 from models.tokenizer import load_tokenizer, stop_ids
 from train.losses import lookup_hits
 
 
-@torch.inference_mode()
-def first_drafts(target: TargetModel, drafter: Eagle3Drafter, sequence: list[int]) -> torch.Tensor:
-    """[len(sequence)] target ids: at t >= 2 the drafter's first draft for token t after the target's features of
-    tokens < t-1 and token t-1 (the pair that predicts it); -1 before."""
-    full = torch.tensor(sequence, device=target.device)[None]
-    m = full.shape[1] - 1
-    fused = FusedStep(drafter)
-    aux = target(full).aux_hidden.to(drafter.fc.weight.dtype)
-    causal = torch.ones(m, m, dtype=torch.bool, device=target.device).tril()[None]
-    out = fused.step(
-        fused.project_features(aux[:, :m]), full[:, 1:], torch.arange(m, device=target.device)[None], causal
-    )
-    drafts = torch.full((len(sequence),), -1, dtype=torch.long)
-    drafts[2:] = drafter.draft_to_target[out.logits[0, :-1].argmax(-1)].cpu()  # pair i predicts token i+2
-    return drafts
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("drafters", nargs="+", help="EAGLE-3 checkpoint folders (the same target)")
+    ap.add_argument("drafters", nargs="+", help="drafter checkpoint folders (the same target)")
     ap.add_argument("--prompts", required=True, help="Spec-Bench-format file (first turns are answered)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--out", help="write the rows as JSON here too")
@@ -65,9 +50,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for path in args.drafters:
         drafter = load_drafter(path, target, tokenizer).eval()
+        first_drafts = getattr(drafter, "first_drafts", None)  # a user's folder: say so rather than fail inside
+        if first_drafts is None:
+            raise SystemExit(f"{path}: {type(drafter).__name__} has no teacher-forced first draft (first_drafts)")
         tally: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for family, sequence, prompt_len in answers:
-            drafts = first_drafts(target, drafter, sequence)
+            drafts = first_drafts(target, sequence)
             hits = lookup_hits(torch.tensor([sequence]))[0]
             for t in range(max(prompt_len, 2), len(sequence)):
                 right = int(drafts[t] == sequence[t])

@@ -11,7 +11,6 @@ from infer.generate import generate_speculative, generate_vanilla
 from infer.sampling import SamplingParams
 from infer.tree_search import DynamicTreeConfig
 from models.eagle3 import Eagle3Drafter
-from scripts.copy_probe import first_drafts
 from train.draft_vocab import build_draft_vocab
 from train.losses import ttt_loss, ttt_targets
 
@@ -152,9 +151,9 @@ def test_a_served_chain_accepts_exactly_what_the_teacher_forced_hits_predict(tin
     assert res.stats.accepted_per_round == expected
 
 
-def test_the_copy_probe_reads_the_served_first_draft_at_every_position(tiny_target, random_drafter):
+def test_teacher_forced_first_drafts_are_the_served_ones_at_every_position(tiny_target, random_drafter):
     sequence = PROMPTS[3]
-    drafts = first_drafts(tiny_target, random_drafter, sequence)
+    drafts = random_drafter.first_drafts(tiny_target, sequence)
     for t in range(2, len(sequence)):
         context = sequence[:t]  # the served round that drafts token t: the target has cached context[:-1]
         proposer = Eagle3Proposer(random_drafter, k=1)

@@ -120,7 +120,7 @@ def lookup_hits(input_ids: torch.Tensor, sample_ids: torch.Tensor | None = None)
     match). Where this is true the next token is a copy from the context."""
     ids = input_ids.tolist()
     same = None if sample_ids is None else sample_ids.tolist()
-    hits = torch.zeros(input_ids.shape, dtype=torch.bool)
+    hits = [[False] * len(row) for row in ids]  # plain lists: a tensor written element by element costs µs each
     for b, row in enumerate(ids):
         after2: dict[tuple[int, int], int] = {}  # (x[p-2], x[p-1]) → x[p] of its latest occurrence
         after1: dict[int, int] = {}
@@ -133,11 +133,11 @@ def lookup_hits(input_ids: torch.Tensor, sample_ids: torch.Tensor | None = None)
             guess = after2.get(key2) if key2 is not None else None
             if guess is None:
                 guess = after1.get(row[p - 1])
-            hits[b, p] = guess == row[p]
+            hits[b][p] = guess == row[p]
             if key2 is not None:
                 after2[key2] = row[p]
             after1[row[p - 1]] = row[p]
-    return hits.to(input_ids.device)
+    return torch.tensor(hits, dtype=torch.bool, device=input_ids.device).view(input_ids.shape)
 
 
 def copy_weights(hits: torch.Tensor, masks: list[torch.Tensor], weight: float) -> list[torch.Tensor]:

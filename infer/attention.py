@@ -82,6 +82,21 @@ class SlackLayer(DynamicLayer):
         setattr(self, name, t)
         self._n[name] = t.shape[2] if t is not None and t.dim() == 4 else 0
 
+    @classmethod
+    def room(cls, n: int) -> int:
+        """Slots a buffer gets when it must hold ``n``: room for the steps that follow without a copy each."""
+        return max(int(n * cls.GROWTH), n + cls.MIN_SLACK)
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
+        """Take ``keys`` / ``values`` (one shape, [B, heads, slots, dim]) as the buffers, their first ``n`` slots in
+        use: a caller that assembles a layer (a join of rows) gives it spare slots at once."""
+        if keys.shape != values.shape or not 0 <= n <= keys.shape[2]:
+            raise ValueError(f"buffers of shapes {tuple(keys.shape)} / {tuple(values.shape)} cannot hold {n} slots")
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        self._k, self._v = keys, values
+        self._n = {"_k": n, "_v": n}
+
     keys = property(lambda self: self._get("_k"), lambda self, t: self._set("_k", t))
     values = property(lambda self: self._get("_v"), lambda self, t: self._set("_v", t))
 
@@ -94,7 +109,7 @@ class SlackLayer(DynamicLayer):
                 f"cache layer holds {n} key slots but {self._n['_v']} value slots: one was assigned alone"
             )
         if self._k is None or self._k.dim() != 4 or n + add > self._k.shape[2]:
-            cap = max(int((n + add) * self.GROWTH), n + add + self.MIN_SLACK)
+            cap = self.room(n + add)
             k = key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[3])
             v = value_states.new_empty(*value_states.shape[:2], cap, value_states.shape[3])
             if n:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from infer.attention import SlackLayer
 from infer.generate import DecodeState, prefill, seeded_generator, vanilla_round
 from infer.kernels.cpu_decode_attention import one_pass_decode
 from infer.sampling import SamplingParams
@@ -82,22 +83,23 @@ def _join(
     batch. Prompts are prefilled in groups of similar length, so the prefill computes few padding positions (a
     join's prompts span several times their shortest length: padded to the longest, a quarter of the prefill's work
     was padding)."""
-    fresh: DecodeState | None = None
+    parts: list[DecodeState] = []
     order: list[int] = []
     for group in length_groups([len(p) for p in prompts]):
         part = DecodeState([prompts[i] for i in group], params, eos_ids, target.device)
         prefill(target, part)
-        fresh = part if fresh is None else _append_rows(fresh, part)
+        parts.append(part)
         order += group
     base = 0 if state is None else len(state.contexts)
     keys.update({base + j: new_keys[i] for j, i in enumerate(order)})
     if state is None or not state.active:
+        fresh = _stack_rows(parts)
         if state is not None:  # keep row ids unique across the run
             fresh.contexts = state.contexts + fresh.contexts
             fresh.new_tokens = state.new_tokens + fresh.new_tokens
             fresh.active = [base + r for r in fresh.active]
         return fresh
-    return _append_rows(state, fresh)
+    return _stack_rows([state, *parts])
 
 
 PREFILL_PADDING = 0.1
@@ -125,34 +127,41 @@ def length_groups(
     return groups
 
 
-def _append_rows(state: DecodeState, fresh: DecodeState) -> DecodeState:
-    """``fresh``'s rows appended to ``state``'s (row ids continue), both caches left-padded to one width."""
-    base = len(state.contexts)
-    width = max(state.kv_valid.shape[1], fresh.kv_valid.shape[1])
-
-    def left_pad(t: torch.Tensor, dim: int, fill) -> torch.Tensor:
-        missing = width - t.shape[dim]
-        if missing == 0:
-            return t
-        shape = list(t.shape)
-        shape[dim] = missing
-        return torch.cat([torch.full(shape, fill, dtype=t.dtype, device=t.device), t], dim)
-
-    state.kv_valid = torch.cat([left_pad(state.kv_valid, 1, False), left_pad(fresh.kv_valid, 1, False)], 0)
+def _stack_rows(sides: list[DecodeState]) -> DecodeState:
+    """The rows of ``sides`` in one state, the first's (row ids continue across them), every cache left-padded to one
+    width. Each layer is built once, with room to grow (`SlackLayer.adopt`): appending one side at a time copied the
+    rows gathered so far at every prefill group and left buffers without spare slots, so the next step copied them
+    all again (a 128-prompt join of many small groups spent more time in these copies than in its prefill)."""
+    state = sides[0]
+    if len(sides) == 1:
+        return state
+    width = max(s.kv_valid.shape[1] for s in sides)
+    rows = [s.kv_valid.shape[0] for s in sides]
+    starts = [sum(rows[:i]) for i in range(len(sides))]
+    kv_valid = state.kv_valid.new_zeros(sum(rows), width)
+    for s, at, r in zip(sides, starts, rows):
+        kv_valid[at : at + r, width - s.kv_valid.shape[1] :] = s.kv_valid
     # prompts of one token prefill nothing: such a side has no cache layers, and every slot of its rows is invalid
-    cache = state.cache if state.cache.layers else fresh.cache
+    cache = next((s.cache for s in sides if s.cache.layers), state.cache)
     for i, layer in enumerate(cache.layers):
-        kv = []
-        for side in (state, fresh):
-            if side.cache.layers:
-                kv.append((side.cache.layers[i].keys, side.cache.layers[i].values))
-            else:
-                rows = len(side.active)
-                kv.append(tuple(t.new_zeros(rows, t.shape[1], 0, t.shape[3]) for t in (layer.keys, layer.values)))
-        layer.keys = torch.cat([left_pad(k, 2, 0.0) for k, _ in kv], 0)
-        layer.values = torch.cat([left_pad(v, 2, 0.0) for _, v in kv], 0)
+        ref = layer.keys
+        room = SlackLayer.room(width)
+        k = ref.new_empty(sum(rows), ref.shape[1], room, ref.shape[3])
+        v = torch.empty_like(k)
+        for s, at, r in zip(sides, starts, rows):
+            n = s.cache.layers[i].keys.shape[2] if s.cache.layers else 0
+            # padding slots are masked, but a masked slot's value is still multiplied by its zero weight: no garbage
+            k[at : at + r, :, : width - n] = 0.0
+            v[at : at + r, :, : width - n] = 0.0
+            if n:
+                k[at : at + r, :, width - n : width] = s.cache.layers[i].keys
+                v[at : at + r, :, width - n : width] = s.cache.layers[i].values
+        layer.adopt(k, v, width)
     state.cache = cache
-    state.contexts += fresh.contexts
-    state.new_tokens += fresh.new_tokens
-    state.active += [base + r for r in fresh.active]
+    state.kv_valid = kv_valid
+    for s in sides[1:]:
+        base = len(state.contexts)
+        state.contexts += s.contexts
+        state.new_tokens += s.new_tokens
+        state.active += [base + r for r in s.active]
     return state

@@ -6,6 +6,7 @@ import gzip
 import json
 
 import pytest
+import torch
 
 from infer.generate import generate_vanilla
 from infer.sampling import SamplingParams
@@ -283,6 +284,57 @@ def test_a_join_prefilled_in_length_groups_gives_each_prompt_its_lone_greedy_ans
     decode_continuous(target, submit, lambda k, toks: answers.update({k: toks}), params, (), 4, refill=2)
     assert len(groups) >= 2 and len(groups[0]) == 4  # a first batch of four groups, then joins
     assert answers == {k: generate_vanilla(target, [p], params).tokens[0] for k, p in prompts.items()}
+
+
+def test_a_join_builds_each_cache_layer_once_with_spare_slots_for_the_next_steps(tiny_target, monkeypatch):  # noqa: F811
+    """A join of several prefill groups into a running batch: every layer comes out as one buffer holding all rows
+    with spare slots beyond the joined width, so the steps after it write in place (the buffer does not move), and
+    the answers are still the lone greedy ones."""
+    import infer.continuous as continuous_module
+    from infer.continuous import decode_continuous, length_groups
+
+    target = TargetModel(tiny_target)
+    prompts = {f"p{i}": [3 + (7 * i + j) % 80 for j in range(n)] for i, n in enumerate((5, 9, 2, 14, 6, 11))}
+    params = SamplingParams(max_new_tokens=4)
+    monkeypatch.setattr(continuous_module, "length_groups", lambda lengths: length_groups(lengths, 0.0, min_tokens=0))
+    real_join, real_round, joined, moved = continuous_module._join, continuous_module.vanilla_round, [], []
+
+    def join(*args):
+        state = real_join(*args)
+        layer = state.cache.layers[0]
+        assert layer._k.shape[0] == state.kv_valid.shape[0] and layer.keys.shape[2] == state.kv_valid.shape[1]
+        joined.append((layer._k.shape[2] > layer.keys.shape[2], layer._k.data_ptr()))
+        return state
+
+    def step(target, state, *args):
+        before = [layer._k.data_ptr() for layer in state.cache.layers]
+        out = real_round(target, state, *args)
+        moved.append(before != [layer._k.data_ptr() for layer in state.cache.layers])
+        return out
+
+    monkeypatch.setattr(continuous_module, "_join", join)
+    monkeypatch.setattr(continuous_module, "vanilla_round", step)
+    waiting, answers = list(prompts.items()), {}
+
+    def submit(n):
+        out = waiting[:n]
+        del waiting[:n]
+        return out
+
+    decode_continuous(target, submit, lambda k, toks: answers.update({k: toks}), params, (), 4, refill=2)
+    assert len(joined) >= 2 and all(spare for spare, _ in joined)
+    assert not any(moved[:3])  # the first steps after the first join grow into the spare slots
+    assert answers == {k: generate_vanilla(target, [p], params).tokens[0] for k, p in prompts.items()}
+
+
+def test_a_cache_layer_refuses_buffers_that_cannot_hold_its_slots():
+    from infer.attention import SlackLayer
+
+    layer = SlackLayer()
+    with pytest.raises(ValueError, match="cannot hold 9 slots"):
+        layer.adopt(torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4), 9)
+    layer.adopt(torch.ones(1, 1, 8, 4), torch.ones(1, 1, 8, 4), 5)
+    assert layer.keys.shape == (1, 1, 5, 4) and layer.get_seq_length() == 5
 
 
 def test_static_batching_answers_the_same_and_the_decode_flops_count_every_weight(tokenizers, tiny_target, tmp_path):  # noqa: F811

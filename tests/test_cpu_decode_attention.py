@@ -68,6 +68,34 @@ def test_equals_sdpa(dtype, shape, mask_kind):
         assert (out.float() - ref.float()).abs().max() <= 2 * 2**-8 * ref.float().abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_left_padded_row_skips_its_masked_blocks_and_answers_the_same(dtype):
+    """Rows padded on the left, as a batch of unequal contexts is: the blocks before a row's first readable slot are
+    not read (NaN there does not reach the output), and the output is bitwise the one with zeros there, and SDPA's."""
+    B, Hq, Hkv, S, D = 4, 9, 3, 300, 64
+    q, k, v, _ = _case(B, Hq, Hkv, S, D, dtype, seed=3)
+    allowed = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    for row, pad in enumerate((0, 64, 150, 299)):  # none; one whole block; two blocks and part of a third; all but one
+        allowed[row, ..., :pad] = False
+    mask = _additive(allowed, torch.float32)
+    module = _Module(Hq // Hkv)
+    zero_k, zero_v = k.clone(), v.clone()
+    nan_k, nan_v = k.clone(), v.clone()
+    for row, pad in enumerate((0, 64, 150, 299)):
+        whole = pad // 64 * 64  # the masked blocks the kernel skips
+        zero_k[row, :, :pad] = zero_v[row, :, :pad] = 0.0
+        nan_k[row, :, :whole] = nan_v[row, :, :whole] = float("nan")
+        nan_k[row, :, whole:pad] = nan_v[row, :, whole:pad] = 0.0
+    zeros, _ = cda.decode_attention(module, q, zero_k, zero_v, mask, 0.0, D**-0.5)
+    nans, _ = cda.decode_attention(module, q, nan_k, nan_v, mask, 0.0, D**-0.5)
+    assert torch.equal(nans, zeros)
+    ref, _ = sdpa_attention_forward(module, q, zero_k, zero_v, mask.to(dtype), 0.0, D**-0.5, is_causal=False)
+    if dtype == torch.float32:
+        torch.testing.assert_close(zeros, ref, atol=2e-6, rtol=1e-5)
+    else:
+        assert (zeros.float() - ref.float()).abs().max() <= 2 * 2**-8 * ref.float().abs().max()
+
+
 @pytest.mark.integration  # two more builds of the kernel (~20 s each)
 @pytest.mark.parametrize("without", [("avx512bf16",), ("avx512f",)], ids=["no-avx512bf16", "no-avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

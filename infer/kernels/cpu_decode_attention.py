@@ -9,7 +9,9 @@ in place, 64 slots at a time, one task per row and key/value head: the block's s
 AVX-512 and a head size that is a multiple of 16 the products of 16 keys are reduced together and the group's value
 sums stay in registers, each value row widened once for all of them; with AVX512-BF16 a bf16 cache's scores
 multiply the keys as stored (bf16 pairs, exact products, fp32 sums), where widening them was most of the kernel's
-time. Elsewhere the same loops are left to the compiler's vectorizer.
+time. Elsewhere the same loops are left to the compiler's vectorizer. A row starts at the block of its first slot the
+mask lets it read: the rows of a batch share one width, left-padded to the longest context, and the blocks before a
+short row's context add exactly nothing.
 
 `decode_attention` is registered with transformers' ``AttentionInterface`` as `NAME`; a forward with more than one
 query per row, a device other than the CPU, a dtype other than fp32 / bf16, a layout the kernel does not read (keys
@@ -263,6 +265,18 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   float* op = out.data_ptr<float>();
   const int64_t kb = k.stride(0), kh = k.stride(1), ks = k.stride(2);
   const int64_t vb = v.stride(0), vh = v.stride(1), vs = v.stride(2);
+  // Each row starts at the block of its first slot the mask lets it read. A batch's rows share one width, so a row
+  // whose context is shorter than the longest is padded on the left, and a block of masked slots before every
+  // readable one adds exactly nothing: its weights are exp(-huge) = 0 against any later maximum, and the rescale at
+  // the first readable block (exp of the old maximum minus the new, 0) clears whatever it had summed. A row with no
+  // readable slot reads all of them, as SDPA does.
+  std::vector<int64_t> first_block(B, 0);
+  if (mp)
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t j = 0;
+      while (j < S && mp[b * S + j] <= -1e30f) ++j;
+      first_block[b] = j < S ? j / BLOCK * BLOCK : 0;
+    }
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kf(BLOCK * D), p(G * BLOCK), acc(G * D), m(G), l(G);
     std::vector<at::BFloat16> qb(G * D);
@@ -277,7 +291,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t s0 = 0; s0 < S; s0 += BLOCK) {
+      for (int64_t s0 = first_block[b]; s0 < S; s0 += BLOCK) {
         const int64_t n = std::min(BLOCK, S - s0);
         block_scores<T, DIM>(kbase + s0 * ks, ks, n, qg, qb.data(), G, D, kf.data(), p.data());
         for (int64_t g = 0; g < G; ++g) {

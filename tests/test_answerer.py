@@ -258,11 +258,26 @@ def test_prefill_groups_bound_their_padding():
     assert length_groups([7], 0.1) == [[0]] and length_groups([], 0.1) == []
 
 
+def _decode_queue(target: TargetModel, prompts: dict, params: SamplingParams) -> dict:
+    """`decode_continuous` over ``prompts`` handed out in order, 4 rows, a join once 2 are free: key -> answer."""
+    from infer.continuous import decode_continuous
+
+    waiting, answers = list(prompts.items()), {}
+
+    def submit(n):
+        out = waiting[:n]
+        del waiting[:n]
+        return out
+
+    decode_continuous(target, submit, lambda k, toks: answers.update({k: toks}), params, (), 4, refill=2)
+    return answers
+
+
 def test_a_join_prefilled_in_length_groups_gives_each_prompt_its_lone_greedy_answer(tiny_target, monkeypatch):  # noqa: F811
     """Every prompt its own prefill group (a one-token prompt's group has no cache at all), joined to a batch that is
     still decoding: each answer equals the lone greedy run."""
     import infer.continuous as continuous_module
-    from infer.continuous import decode_continuous, length_groups
+    from infer.continuous import length_groups
 
     target = TargetModel(tiny_target)
     prompts = {f"p{i}": [3 + (5 * i + j) % 80 for j in range(n)] for i, n in enumerate((6, 1, 11, 3, 17, 2, 9))}
@@ -274,14 +289,7 @@ def test_a_join_prefilled_in_length_groups_gives_each_prompt_its_lone_greedy_ans
         return groups[-1]
 
     monkeypatch.setattr(continuous_module, "length_groups", every_prompt_alone)
-    waiting, answers = list(prompts.items()), {}
-
-    def submit(n):
-        out = waiting[:n]
-        del waiting[:n]
-        return out
-
-    decode_continuous(target, submit, lambda k, toks: answers.update({k: toks}), params, (), 4, refill=2)
+    answers = _decode_queue(target, prompts, params)
     assert len(groups) >= 2 and len(groups[0]) == 4  # a first batch of four groups, then joins
     assert answers == {k: generate_vanilla(target, [p], params).tokens[0] for k, p in prompts.items()}
 
@@ -291,7 +299,7 @@ def test_a_join_builds_each_cache_layer_once_with_spare_slots_for_the_next_steps
     with spare slots beyond the joined width, so the steps after it write in place (the buffer does not move), and
     the answers are still the lone greedy ones."""
     import infer.continuous as continuous_module
-    from infer.continuous import decode_continuous, length_groups
+    from infer.continuous import length_groups
 
     target = TargetModel(tiny_target)
     prompts = {f"p{i}": [3 + (7 * i + j) % 80 for j in range(n)] for i, n in enumerate((5, 9, 2, 14, 6, 11))}
@@ -303,7 +311,7 @@ def test_a_join_builds_each_cache_layer_once_with_spare_slots_for_the_next_steps
         state = real_join(*args)
         layer = state.cache.layers[0]
         assert layer._k.shape[0] == state.kv_valid.shape[0] and layer.keys.shape[2] == state.kv_valid.shape[1]
-        joined.append((layer._k.shape[2] > layer.keys.shape[2], layer._k.data_ptr()))
+        joined.append(layer._k.shape[2] > layer.keys.shape[2])  # spare slots past the joined width
         return state
 
     def step(target, state, *args):
@@ -314,15 +322,8 @@ def test_a_join_builds_each_cache_layer_once_with_spare_slots_for_the_next_steps
 
     monkeypatch.setattr(continuous_module, "_join", join)
     monkeypatch.setattr(continuous_module, "vanilla_round", step)
-    waiting, answers = list(prompts.items()), {}
-
-    def submit(n):
-        out = waiting[:n]
-        del waiting[:n]
-        return out
-
-    decode_continuous(target, submit, lambda k, toks: answers.update({k: toks}), params, (), 4, refill=2)
-    assert len(joined) >= 2 and all(spare for spare, _ in joined)
+    answers = _decode_queue(target, prompts, params)
+    assert len(joined) >= 2 and all(joined)
     assert not any(moved[:3])  # the first steps after the first join grow into the spare slots
     assert answers == {k: generate_vanilla(target, [p], params).tokens[0] for k, p in prompts.items()}
 

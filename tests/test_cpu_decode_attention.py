@@ -68,10 +68,24 @@ def test_equals_sdpa(dtype, shape, mask_kind):
         assert (out.float() - ref.float()).abs().max() <= 2 * 2**-8 * ref.float().abs().max()
 
 
+@pytest.mark.parametrize(
+    "without",
+    [
+        (),
+        pytest.param(("avx512bf16",), marks=pytest.mark.integration),
+        pytest.param(("avx512f",), marks=pytest.mark.integration),
+    ],
+    ids=["this-host", "no-avx512bf16", "no-avx512"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_left_padded_row_skips_its_masked_blocks_and_answers_the_same(dtype):
+def test_a_left_padded_row_skips_its_masked_blocks_and_answers_the_same(dtype, without, monkeypatch):
     """Rows padded on the left, as a batch of unequal contexts is: the blocks before a row's first readable slot are
-    not read (NaN there does not reach the output), and the output is bitwise the one with zeros there, and SDPA's."""
+    not read (NaN there does not reach the output), and the output is bitwise the one with zeros there, and SDPA's;
+    in this host's build and in the builds of hosts without AVX512-BF16 or AVX-512 (integration tier)."""
+    if without:
+        build = cda._module(without)
+        assert build is not None, f"the kernel did not build without {without}"
+        monkeypatch.setattr(cda, "_module", lambda: build)
     B, Hq, Hkv, S, D = 4, 9, 3, 300, 64
     q, k, v, _ = _case(B, Hq, Hkv, S, D, dtype, seed=3)
     allowed = torch.ones(B, 1, 1, S, dtype=torch.bool)

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from infer.stats import GenerationStats, depth_tallies
 from models.acceptance import acceptance_rates
 
@@ -34,6 +36,30 @@ class Method(Protocol):
 def alpha_of(stats: list[GenerationStats]) -> list[float]:
     """Per-depth acceptance α_k aggregated over generate calls (DESIGN.md §4)."""
     return acceptance_rates(*depth_tallies(stats))
+
+
+def paired_ratio_gain(
+    ours: list[tuple[int, int]], base: list[tuple[int, int]], draws: int = 4000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float, float]:
+    """How far a ratio of sums over prompts (τ = new tokens / forwards, α1 = accepted / attempted at depth 1) of one
+    drafter lies above another's on the same prompts: ``ours[i]`` and ``base[i]`` are (numerator, denominator) of
+    prompt i. Returns (gain, low, high), the interval the ``level`` percentiles of the gain over ``draws`` resamplings
+    of the prompts, both drafters' counts resampled together (a paired bootstrap). Pairing is what makes a small
+    file decisive: a prompt both drafters find easy moves both sums, so only their difference spreads the
+    interval."""
+    if len(ours) != len(base) or not ours:
+        raise ValueError(f"paired counts need the same prompts on both sides: {len(ours)} against {len(base)}")
+    a = torch.tensor(ours, dtype=torch.float64)
+    b = torch.tensor(base, dtype=torch.float64)
+
+    def ratio(x: torch.Tensor) -> torch.Tensor:  # [..., n, 2] -> [...]: the sums' ratio (no denominator: 0)
+        s = x.sum(-2)
+        return torch.where(s[..., 1] > 0, s[..., 0] / s[..., 1].clamp(min=1e-12), torch.zeros_like(s[..., 0]))
+
+    picks = torch.randint(len(ours), (draws, len(ours)), generator=torch.Generator().manual_seed(seed))
+    spread = ratio(a[picks]) - ratio(b[picks])
+    low, high = torch.quantile(spread, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+    return float(ratio(a) - ratio(b)), float(low), float(high)
 
 
 @dataclass

@@ -11,7 +11,9 @@ its YAML has, e.g. an EAGLE-3 recipe's ``drafter``) gives the config, the held-o
 τ and acceptance do not depend on timing, so this may run beside other work; speedups come from the report
 (``python train/<method>.py report``), which times every row against vanilla in one quiet run. Results are appended to
 ``<out>/curve.json`` one checkpoint at a time (a checkpoint already there is not measured again), then the table
-``<out>/curve.md`` and the plot ``<out>/curve.png`` are drawn from it.
+``<out>/curve.md`` and the plot ``<out>/curve.png`` are drawn from it. With ``--baseline NAME`` the table also gives
+each row's served τ and α1 gain over that checkpoint with a 95 % interval from a paired bootstrap over the prompts
+(both greedy decodings answer each prompt alike, so a gain is judged against its own spread, not the file's).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from typing import Any
 import torch
 
 from eval.prompts import chat_ids, load_prompt_file
-from eval.rows import alpha_of
+from eval.rows import alpha_of, paired_ratio_gain
 from infer.families import family_of, load_drafter
 from infer.generate import generate_speculative
 from infer.proposer import Proposer
 from infer.sampling import SamplingParams
+from infer.stats import depth_tallies
 from models.config import parse_cli
 from models.target import TargetModel
 from models.tokenizer import stop_ids
@@ -79,19 +82,52 @@ def run_world(run: Path, cfg: Any, train_set) -> int:
 
 def served(target: TargetModel, make: Callable[[], Proposer], tokenizer, prompts, max_new_tokens: int) -> dict:
     """Greedy decoding of every prompt's first turn with a fresh proposer from ``make`` each (the family's chain):
-    τ (bonus included) and α per position."""
+    τ (bonus included) and α per position, and each prompt's counts (for `gains` against another checkpoint)."""
     stops = stop_ids(tokenizer, target.model)
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    stats, by_category = [], {}
+    stats, by_category, per_prompt = [], {}, []
     for p in prompts:
         ids = chat_ids(tokenizer, [{"role": "user", "content": p.turns[0]}])
         out = generate_speculative(target, make(), [ids], params, stops)
         stats.append(out.stats)
         by_category.setdefault(p.category, []).append(out.stats)
+        accepted, attempted = depth_tallies([out.stats], 1)
+        per_prompt.append(
+            {
+                "id": p.question_id,
+                "tokens": out.stats.new_tokens,
+                "forwards": out.stats.row_forwards,
+                "accepted1": accepted[0],
+                "attempted1": attempted[0],
+            }
+        )
     tau = sum(s.new_tokens for s in stats) / max(1, sum(s.row_forwards for s in stats))
     per_cat = {c: sum(s.new_tokens for s in v) / max(1, sum(s.row_forwards for s in v)) for c, v in by_category.items()}
     stopped = sum(1 for s in stats if s.new_tokens < max_new_tokens)
-    return {"tau": tau, "alpha": alpha_of(stats), "tau_by_category": per_cat, "stopped_at_eos": stopped}
+    return {
+        "tau": tau,
+        "alpha": alpha_of(stats),
+        "tau_by_category": per_cat,
+        "stopped_at_eos": stopped,
+        "per_prompt": per_prompt,
+    }
+
+
+GAINS = {"τ": ("tokens", "forwards"), "α1": ("accepted1", "attempted1")}
+"""The served figures `gains` compares, each a ratio of per-prompt sums: (numerator, denominator) keys."""
+
+
+def gains(row: dict, base: dict) -> dict[str, tuple[float, float, float]] | None:
+    """``row``'s served τ and α1 over ``base``'s on the same prompts, each as (gain, low, high) with a 95 % paired
+    bootstrap interval over the prompts (`eval.rows.paired_ratio_gain`); None where either row lacks per-prompt
+    counts or they decoded different prompts."""
+    ours, theirs = row["served"].get("per_prompt"), base["served"].get("per_prompt")
+    if not ours or not theirs or [p["id"] for p in ours] != [p["id"] for p in theirs]:
+        return None
+    return {
+        name: paired_ratio_gain([(p[n], p[d]) for p in ours], [(p[n], p[d]) for p in theirs])
+        for name, (n, d) in GAINS.items()
+    }
 
 
 def checkpoint_of(entry: TrainingEntry, path: Path, target: TargetModel, tokenizer) -> torch.nn.Module:
@@ -144,12 +180,19 @@ def draw(rows: list[dict], out: Path) -> None:
     fig.savefig(out / "curve.png", dpi=120)
 
 
-def table(rows: list[dict], meta: dict) -> str:
+def table(rows: list[dict], meta: dict, baseline: str | None = None) -> str:
+    """The curve's rows as a markdown table; with ``baseline`` (a row's name), each row's served τ and α1 gain over
+    that row with its 95 % paired interval (`gains`)."""
     # the held-out evaluation unrolls the recipe's positions, the served chain its own length: each has its columns
     held = max(len(r["heldout_alpha"]) for r in rows)
     depth = max(len(r["served"]["alpha"]) for r in rows)
     head = ["checkpoint", "tokens read", "loss tokens", *(f"held-out α{k + 1}" for k in range(held))]
     head += ["served τ", *(f"served α{k + 1}" for k in range(depth)), "answers at EOS"]
+    base = next((r for r in rows if r["name"] == baseline), None)
+    if baseline is not None and base is None:
+        raise SystemExit(f"--baseline {baseline}: no checkpoint of that name in the curve")
+    if base is not None:
+        head += [f"served {name} over {baseline} (95 %)" for name in GAINS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: r.get("tokens") or 0):
         cells = [r["name"], f"{r['tokens']:,}" if r.get("tokens") else "—"]
@@ -158,6 +201,11 @@ def table(rows: list[dict], meta: dict) -> str:
         cells += [f"{r['served']['tau']:.2f}"] + [f"{a:.2f}" for a in r["served"]["alpha"]]
         cells += [""] * (depth - len(r["served"]["alpha"]))
         cells += [f"{r['served']['stopped_at_eos']}/{meta['prompts']}"]
+        if base is not None:
+            found = gains(r, base) if r is not base else None
+            cells += (
+                [f"{g:+.3f} [{lo:+.3f}, {hi:+.3f}]" for g, lo, hi in found.values()] if found else ["—"] * len(GAINS)
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -171,6 +219,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--heldout-samples", type=int, default=128)
     parser.add_argument("--extra", action="append", default=[], help="NAME=DIR: another checkpoint beside the run")
+    parser.add_argument(
+        "--baseline", help="a checkpoint's name (e.g. an --extra's): the table gives every row's served gain over it"
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     args = parser.parse_args(argv)
     entry = entry_of(args.config)
@@ -189,6 +240,8 @@ def main(argv: list[str]) -> None:
     meta = {"prompts": len(prompts), "file": args.prompts, "chain": args.chain, "max_new_tokens": args.max_new_tokens}
     store = out / "curve.json"
     rows = json.loads(store.read_text())["rows"] if store.exists() else []
+    # a row stored before per-prompt counts were kept is measured again, so every row can be paired
+    rows = [r for r in rows if "per_prompt" in r["served"]]
     done = {r["name"] for r in rows}
     checkpoints = sorted(run.glob("snapshots/step-*"), key=lambda p: int(p.name.split("-")[1]))
     todo = {p.name: (p, int(p.name.split("-")[1])) for p in checkpoints}
@@ -223,9 +276,10 @@ def main(argv: list[str]) -> None:
             f"{name}: τ {row['served']['tau']:.2f}, held-out α {[round(a, 2) for a in row['heldout_alpha']]} "
             f"({time.time() - t0:.0f} s)"
         )
-    (out / "curve.md").write_text(table(rows, meta))
+    text = table(rows, meta, args.baseline)
+    (out / "curve.md").write_text(text)
     draw(rows, out)
-    print(table(rows, meta))
+    print(text)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,10 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
         assert len(r["heldout_alpha"]) == 3 and all(0.0 <= a <= 1.0 for a in r["heldout_alpha"])
         assert r["served"]["tau"] >= 1.0 and len(r["served"]["alpha"]) == 2
         assert set(r["served"]["tau_by_category"]) == {"qa", "math"}
+        counts = r["served"]["per_prompt"]  # what a paired comparison resamples: each prompt's own counts
+        assert [p["id"] for p in counts] == ["q0", "q1"]
+        assert sum(p["tokens"] for p in counts) / sum(p["forwards"] for p in counts) == r["served"]["tau"]
+        assert sum(p["accepted1"] for p in counts) / sum(p["attempted1"] for p in counts) == r["served"]["alpha"][0]
     header, _, *lines = (curve / "curve.md").read_text().splitlines()
     assert all(line.count("|") == header.count("|") for line in lines) and len(lines) == 3
     assert "held-out α3" in header and "served α2" in header and "served α3" not in header
@@ -77,6 +81,15 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     measure(curve, *small)
     assert json.loads((curve / "curve.json").read_text())["rows"] == measured
     assert (curve / "curve.md").read_text() == table
+    # a row stored without per-prompt counts is measured again; a baseline adds each row's paired gains over it
+    stored = json.loads((curve / "curve.json").read_text())
+    del stored["rows"][0]["served"]["per_prompt"]
+    (curve / "curve.json").write_text(json.dumps(stored))
+    measure(curve, *small, "--baseline", "step-2")
+    again = json.loads((curve / "curve.json").read_text())["rows"]
+    assert sorted(r["name"] for r in again) == ["step-2", "step-4", "step-6"] and "per_prompt" in again[-1]["served"]
+    header, _, *lines = (curve / "curve.md").read_text().splitlines()
+    assert "served τ over step-2 (95 %)" in header and all(line.count("|") == header.count("|") for line in lines)
 
     # a run that trained on other samples than the recipe's data gives (self-distilled ones, another file) is refused:
     # its snapshots' token counts would be wrong
@@ -87,6 +100,44 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     # an epoch covers whole global batches: read with another batch size, the same data covers 10 of its 12 samples
     with pytest.raises(SystemExit, match=r"gives 10 here \(12 samples, batch 5 x 1 ranks\)"):
         measure(tmp_path / "batch5", "train.batch_size=5")
+
+
+def _row(name: str, counts: list[tuple[int, int, int, int]], tokens: int | None = None) -> dict:
+    """A measured row with per-prompt (tokens, forwards, accepted1, attempted1) of prompts p0, p1, ..."""
+    keys = ("tokens", "forwards", "accepted1", "attempted1")
+    per_prompt = [{"id": f"p{i}", **dict(zip(keys, c))} for i, c in enumerate(counts)]
+    tau = sum(c[0] for c in counts) / sum(c[1] for c in counts)
+    served = {"tau": tau, "alpha": [0.5], "stopped_at_eos": 0, "per_prompt": per_prompt}
+    return {"name": name, "tokens": tokens, "heldout_alpha": [0.6], "served": served}
+
+
+def test_the_table_gives_each_rows_served_gain_over_the_baseline_with_its_paired_interval():
+    # prompts of very different difficulty, every one answered 0.2 tokens a forward better: the gain is 0.2 in every
+    # resampling, so its interval is that point (an unpaired comparison would spread it over the prompts' range)
+    base = _row("shipped", [(12, 10, 2, 10), (30, 10, 8, 10), (20, 10, 5, 10), (14, 10, 3, 10)])
+    better = _row("step-10", [(14, 10, 3, 10), (32, 10, 9, 10), (22, 10, 6, 10), (16, 10, 4, 10)], tokens=1000)
+    unknown = {**_row("step-5", [(1, 1, 0, 1)], tokens=500)}
+    del unknown["served"]["per_prompt"]
+    header, _, *lines = data_scaling.table([base, unknown, better], {"prompts": 4}, baseline="shipped").splitlines()
+    assert header.endswith("| served τ over shipped (95 %) | served α1 over shipped (95 %) |")
+    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[-2:] for line in lines}
+    assert cells["step-10"] == ["+0.200 [+0.200, +0.200]", "+0.100 [+0.100, +0.100] |"]
+    assert cells["step-5"] == ["—", "— |"] and cells["shipped"] == ["—", "— |"]
+    with pytest.raises(SystemExit, match="--baseline nothing: no checkpoint of that name"):
+        data_scaling.table([base, better], {"prompts": 4}, baseline="nothing")
+
+
+def test_a_paired_gain_carried_by_one_prompt_has_an_interval_that_reaches_below_zero():
+    from eval.rows import paired_ratio_gain
+
+    base = [(20, 10)] * 8
+    ours = [(60, 10)] + [(19, 10)] * 7  # one prompt far better, seven a little worse
+    gain, low, high = paired_ratio_gain(ours, base)
+    assert gain == pytest.approx(193 / 80 - 2)
+    assert low == pytest.approx(-0.1) and high > gain  # a third of the resamplings miss the one prompt
+    assert paired_ratio_gain(base, base) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="same prompts on both sides: 8 against 7"):
+        paired_ratio_gain(base, base[:7])
 
 
 def test_a_curve_with_only_extra_checkpoints_is_tabled_and_not_drawn(tmp_path):

@@ -180,6 +180,11 @@ def draw(rows: list[dict], out: Path) -> None:
     fig.savefig(out / "curve.png", dpi=120)
 
 
+def _signed(x: float) -> str:
+    """``x`` to 3 decimals with its sign, rounded first: -0.0001 reads +0.000, not -0.000."""
+    return f"{round(x, 3) + 0.0:+.3f}"
+
+
 def table(rows: list[dict], meta: dict, baseline: str | None = None) -> str:
     """The curve's rows as a markdown table; with ``baseline`` (a row's name), each row's served τ and α1 gain over
     that row with its 95 % paired interval (`gains`)."""
@@ -204,7 +209,9 @@ def table(rows: list[dict], meta: dict, baseline: str | None = None) -> str:
         if base is not None:
             found = gains(r, base) if r is not base else None
             cells += (
-                [f"{g:+.3f} [{lo:+.3f}, {hi:+.3f}]" for g, lo, hi in found.values()] if found else ["—"] * len(GAINS)
+                [f"{_signed(g)} [{_signed(lo)}, {_signed(hi)}]" for g, lo, hi in found.values()]
+                if found
+                else ["—"] * len(GAINS)
             )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -258,6 +265,8 @@ def main(argv: list[str]) -> None:
         if name in todo:
             raise SystemExit(f"--extra {name}={d}: the run has a checkpoint of that name")
         todo[name] = (Path(d), None)
+    if args.baseline is not None and args.baseline not in {*todo, *done}:  # before minutes of measuring, not after
+        raise SystemExit(f"--baseline {args.baseline}: no checkpoint of that name in the curve")
     for name, (path, step) in todo.items():
         if name in done:
             continue

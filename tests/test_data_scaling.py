@@ -90,6 +90,9 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     assert sorted(r["name"] for r in again) == ["step-2", "step-4", "step-6"] and "per_prompt" in again[-1]["served"]
     header, _, *lines = (curve / "curve.md").read_text().splitlines()
     assert "served τ over step-2 (95 %)" in header and all(line.count("|") == header.count("|") for line in lines)
+    with pytest.raises(SystemExit, match="--baseline nothing: no checkpoint of that name"):  # refused before measuring
+        measure(tmp_path / "unmeasured", *small, "--baseline", "nothing")
+    assert not (tmp_path / "unmeasured" / "curve.json").exists()
 
     # a run that trained on other samples than the recipe's data gives (self-distilled ones, another file) is refused:
     # its snapshots' token counts would be wrong
@@ -125,6 +128,7 @@ def test_the_table_gives_each_rows_served_gain_over_the_baseline_with_its_paired
     assert cells["step-5"] == ["—", "— |"] and cells["shipped"] == ["—", "— |"]
     with pytest.raises(SystemExit, match="--baseline nothing: no checkpoint of that name"):
         data_scaling.table([base, better], {"prompts": 4}, baseline="nothing")
+    assert data_scaling._signed(-0.0001) == "+0.000" and data_scaling._signed(-0.021) == "-0.021"
 
 
 def test_a_paired_gain_carried_by_one_prompt_has_an_interval_that_reaches_below_zero():

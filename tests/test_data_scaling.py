@@ -119,7 +119,7 @@ def test_the_table_gives_each_rows_served_gain_over_the_baseline_with_its_paired
     # resampling, so its interval is that point (an unpaired comparison would spread it over the prompts' range)
     base = _row("shipped", [(12, 10, 2, 10), (30, 10, 8, 10), (20, 10, 5, 10), (14, 10, 3, 10)])
     better = _row("step-10", [(14, 10, 3, 10), (32, 10, 9, 10), (22, 10, 6, 10), (16, 10, 4, 10)], tokens=1000)
-    unknown = {**_row("step-5", [(1, 1, 0, 1)], tokens=500)}
+    unknown = _row("step-5", [(1, 1, 0, 1)], tokens=500)
     del unknown["served"]["per_prompt"]
     header, _, *lines = data_scaling.table([base, unknown, better], {"prompts": 4}, baseline="shipped").splitlines()
     assert header.endswith("| served τ over shipped (95 %) | served α1 over shipped (95 %) |")

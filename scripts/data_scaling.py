@@ -12,8 +12,9 @@ its YAML has, e.g. an EAGLE-3 recipe's ``drafter``) gives the config, the held-o
 (``python train/<method>.py report``), which times every row against vanilla in one quiet run. Results are appended to
 ``<out>/curve.json`` one checkpoint at a time (a checkpoint already there is not measured again), then the table
 ``<out>/curve.md`` and the plot ``<out>/curve.png`` are drawn from it. With ``--baseline NAME`` the table also gives
-each row's served τ and α1 gain over that checkpoint with a 95 % interval from a paired bootstrap over the prompts
-(both greedy decodings answer each prompt alike, so a gain is judged against its own spread, not the file's).
+each row's held-out α1 and served τ and α1 gains over that checkpoint with 95 % intervals from a paired bootstrap over
+the held-out samples or the prompts (both drafters read each held-out sample and answer each prompt alike, so a gain
+is judged against its own spread, not the file's).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -113,21 +115,48 @@ def served(target: TargetModel, make: Callable[[], Proposer], tokenizer, prompts
     }
 
 
-GAINS = {"τ": ("tokens", "forwards"), "α1": ("accepted1", "attempted1")}
-"""The served figures `gains` compares, each a ratio of per-prompt sums: (numerator, denominator) keys."""
+class Paired(NamedTuple):
+    """A figure `gains` compares: a ratio of sums over units two rows share (held-out samples, prompts)."""
+
+    units: Callable[[dict], list | None]
+    """The row's units, each with its counts (None: the row was stored without them)."""
+    num: Callable[[Any], int]
+    den: Callable[[Any], int]
+    key: Callable[[Any], Any] | None = None
+    """What names a unit, where rows could list other units (prompts by id); held-out samples are the first n of
+    the recipe's held-out set, named by their place."""
 
 
-def gains(row: dict, base: dict) -> dict[str, tuple[float, float, float]] | None:
-    """``row``'s served τ and α1 over ``base``'s on the same prompts, each as (gain, low, high) with a 95 % paired
-    bootstrap interval over the prompts (`eval.rows.paired_ratio_gain`); None where either row lacks per-prompt
-    counts or they decoded different prompts."""
-    ours, theirs = row["served"].get("per_prompt"), base["served"].get("per_prompt")
-    if not ours or not theirs or [p["id"] for p in ours] != [p["id"] for p in theirs]:
-        return None
-    return {
-        name: paired_ratio_gain([(p[n], p[d]) for p in ours], [(p[n], p[d]) for p in theirs])
-        for name, (n, d) in GAINS.items()
-    }
+GAINS = {
+    "held-out α1": Paired(lambda r: r.get("heldout_per_sample"), lambda s: s[0][0], lambda s: s[0][1]),
+    "served τ": Paired(
+        lambda r: r["served"].get("per_prompt"), itemgetter("tokens"), itemgetter("forwards"), itemgetter("id")
+    ),
+    "served α1": Paired(
+        lambda r: r["served"].get("per_prompt"), itemgetter("accepted1"), itemgetter("attempted1"), itemgetter("id")
+    ),
+}
+"""The figures `gains` compares."""
+
+
+def counted(row: dict) -> bool:
+    """Whether ``row`` keeps every count `gains` pairs (rows measured before the counts were kept do not)."""
+    return all(g.units(row) for g in GAINS.values())
+
+
+def gains(row: dict, base: dict) -> dict[str, tuple[float, float, float] | None]:
+    """``row``'s held-out α1 and served τ and α1 over ``base``'s, each as (gain, low, high) with a 95 % paired
+    bootstrap interval over the held-out samples or the prompts (`eval.rows.paired_ratio_gain`); None for a figure
+    either row lacks counts for, or whose units differ (other prompts, another number of held-out samples)."""
+    out = {}
+    for name, g in GAINS.items():
+        ours, theirs = g.units(row), g.units(base)
+        same = bool(ours) and bool(theirs) and len(ours) == len(theirs)
+        if same and g.key is not None:
+            same = [g.key(u) for u in ours] == [g.key(u) for u in theirs]
+        pairs = [[(g.num(u), g.den(u)) for u in side] for side in (ours, theirs)] if same else None
+        out[name] = paired_ratio_gain(*pairs) if pairs else None
+    return out
 
 
 def checkpoint_of(entry: TrainingEntry, path: Path, target: TargetModel, tokenizer) -> torch.nn.Module:
@@ -197,7 +226,7 @@ def table(rows: list[dict], meta: dict, baseline: str | None = None) -> str:
     if baseline is not None and base is None:
         raise SystemExit(f"--baseline {baseline}: no checkpoint of that name in the curve")
     if base is not None:
-        head += [f"served {name} over {baseline} (95 %)" for name in GAINS]
+        head += [f"{name} over {baseline} (95 %)" for name in GAINS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: r.get("tokens") or 0):
         cells = [r["name"], f"{r['tokens']:,}" if r.get("tokens") else "—"]
@@ -207,12 +236,8 @@ def table(rows: list[dict], meta: dict, baseline: str | None = None) -> str:
         cells += [""] * (depth - len(r["served"]["alpha"]))
         cells += [f"{r['served']['stopped_at_eos']}/{meta['prompts']}"]
         if base is not None:
-            found = gains(r, base) if r is not base else None
-            cells += (
-                [f"{_signed(g)} [{_signed(lo)}, {_signed(hi)}]" for g, lo, hi in found.values()]
-                if found
-                else ["—"] * len(GAINS)
-            )
+            found = gains(r, base) if r is not base else dict.fromkeys(GAINS)
+            cells += [f"{_signed(g[0])} [{_signed(g[1])}, {_signed(g[2])}]" if g else "—" for g in found.values()]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -247,9 +272,8 @@ def main(argv: list[str]) -> None:
     meta = {"prompts": len(prompts), "file": args.prompts, "chain": args.chain, "max_new_tokens": args.max_new_tokens}
     store = out / "curve.json"
     rows = json.loads(store.read_text())["rows"] if store.exists() else []
-    # a row stored before per-prompt counts were kept is measured again, so every row can be paired
-    rows = [r for r in rows if "per_prompt" in r["served"]]
-    done = {r["name"] for r in rows}
+    # a row stored before its counts were kept is measured again where its checkpoint is here, so it can be paired
+    done = {r["name"] for r in rows if counted(r)}
     checkpoints = sorted(run.glob("snapshots/step-*"), key=lambda p: int(p.name.split("-")[1]))
     todo = {p.name: (p, int(p.name.split("-")[1])) for p in checkpoints}
     # The run's own folder holds the final checkpoint only once the run has finished; while it trains, its state
@@ -275,11 +299,13 @@ def main(argv: list[str]) -> None:
         row = {"name": name, "path": str(path), "step": step}
         if step is not None:
             row["tokens"], row["loss_tokens"] = tokens_read(cfg, train_set, step, world)
-        row["heldout_alpha"] = entry.heldout_acceptance(accelerator, target, drafter, eval_set, cfg, pad_id)
+        row["heldout_alpha"], row["heldout_per_sample"] = entry.heldout_acceptance(
+            accelerator, target, drafter, eval_set, cfg, pad_id
+        )
         with torch.inference_mode():
             chain = partial(entry.family.chain, drafter, args.chain)
             row["served"] = served(target, chain, tokenizer, prompts, args.max_new_tokens)
-        rows.append(row)
+        rows = [r for r in rows if r["name"] != name] + [row]
         store.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         log(
             f"{name}: τ {row['served']['tau']:.2f}, held-out α {[round(a, 2) for a in row['heldout_alpha']]} "

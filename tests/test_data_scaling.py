@@ -71,6 +71,10 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
         assert [p["id"] for p in counts] == ["q0", "q1"]
         assert sum(p["tokens"] for p in counts) / sum(p["forwards"] for p in counts) == r["served"]["tau"]
         assert sum(p["accepted1"] for p in counts) / sum(p["attempted1"] for p in counts) == r["served"]["alpha"][0]
+        held = r["heldout_per_sample"]  # and each held-out sample's hits and positions per draft position
+        assert len(held) == 4 and all(len(s) == 3 for s in held)
+        for k, a in enumerate(r["heldout_alpha"]):
+            assert sum(s[k][0] for s in held) / max(1, sum(s[k][1] for s in held)) == pytest.approx(a)
     header, _, *lines = (curve / "curve.md").read_text().splitlines()
     assert all(line.count("|") == header.count("|") for line in lines) and len(lines) == 3
     assert "held-out α3" in header and "served α2" in header and "served α3" not in header
@@ -81,15 +85,22 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     measure(curve, *small)
     assert json.loads((curve / "curve.json").read_text())["rows"] == measured
     assert (curve / "curve.md").read_text() == table
-    # a row stored without per-prompt counts is measured again; a baseline adds each row's paired gains over it
+    # a row stored without per-prompt or per-sample counts is measured again where its checkpoint is here, and kept
+    # as it was where it is not; a baseline adds each row's paired gains over it
     stored = json.loads((curve / "curve.json").read_text())
     del stored["rows"][0]["served"]["per_prompt"]
+    del stored["rows"][1]["heldout_per_sample"]
+    gone = {**stored["rows"][1], "name": "deleted-run", "path": str(tmp_path / "nowhere")}
+    stored["rows"].append(gone)
     (curve / "curve.json").write_text(json.dumps(stored))
     measure(curve, *small, "--baseline", "step-2")
     again = json.loads((curve / "curve.json").read_text())["rows"]
-    assert sorted(r["name"] for r in again) == ["step-2", "step-4", "step-6"] and "per_prompt" in again[-1]["served"]
+    assert sorted(r["name"] for r in again) == ["deleted-run", "step-2", "step-4", "step-6"]
+    assert all(data_scaling.counted(r) for r in again if r["name"] != "deleted-run")
+    assert next(r for r in again if r["name"] == "deleted-run") == gone
     header, _, *lines = (curve / "curve.md").read_text().splitlines()
-    assert "served τ over step-2 (95 %)" in header and all(line.count("|") == header.count("|") for line in lines)
+    assert "held-out α1 over step-2 (95 %)" in header and "served τ over step-2 (95 %)" in header
+    assert all(line.count("|") == header.count("|") for line in lines)
     with pytest.raises(SystemExit, match="--baseline nothing: no checkpoint of that name"):  # refused before measuring
         measure(tmp_path / "unmeasured", *small, "--baseline", "nothing")
     assert not (tmp_path / "unmeasured" / "curve.json").exists()
@@ -105,27 +116,45 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
         measure(tmp_path / "batch5", "train.batch_size=5")
 
 
-def _row(name: str, counts: list[tuple[int, int, int, int]], tokens: int | None = None) -> dict:
-    """A measured row with per-prompt (tokens, forwards, accepted1, attempted1) of prompts p0, p1, ..."""
+def _row(
+    name: str, counts: list[tuple[int, int, int, int]], held: list[tuple[int, int]], tokens: int | None = None
+) -> dict:
+    """A measured row with per-prompt (tokens, forwards, accepted1, attempted1) of prompts p0, p1, ... and per
+    held-out sample (hits, positions) at the first draft position."""
     keys = ("tokens", "forwards", "accepted1", "attempted1")
     per_prompt = [{"id": f"p{i}", **dict(zip(keys, c))} for i, c in enumerate(counts)]
     tau = sum(c[0] for c in counts) / sum(c[1] for c in counts)
     served = {"tau": tau, "alpha": [0.5], "stopped_at_eos": 0, "per_prompt": per_prompt}
-    return {"name": name, "tokens": tokens, "heldout_alpha": [0.6], "served": served}
+    alpha = sum(h for h, _ in held) / sum(n for _, n in held)
+    per_sample = [[[h, n]] for h, n in held]
+    return {
+        "name": name,
+        "tokens": tokens,
+        "heldout_alpha": [alpha],
+        "heldout_per_sample": per_sample,
+        "served": served,
+    }
 
 
-def test_the_table_gives_each_rows_served_gain_over_the_baseline_with_its_paired_interval():
+def test_the_table_gives_each_rows_gains_over_the_baseline_with_their_paired_intervals():
     # prompts of very different difficulty, every one answered 0.2 tokens a forward better: the gain is 0.2 in every
-    # resampling, so its interval is that point (an unpaired comparison would spread it over the prompts' range)
-    base = _row("shipped", [(12, 10, 2, 10), (30, 10, 8, 10), (20, 10, 5, 10), (14, 10, 3, 10)])
-    better = _row("step-10", [(14, 10, 3, 10), (32, 10, 9, 10), (22, 10, 6, 10), (16, 10, 4, 10)], tokens=1000)
-    unknown = _row("step-5", [(1, 1, 0, 1)], tokens=500)
-    del unknown["served"]["per_prompt"]
+    # resampling, so its interval is that point (an unpaired comparison would spread it over the prompts' range);
+    # held-out samples alike, each 1 hit in 10 better
+    base_held = [(2, 10), (8, 10), (5, 10), (3, 10), (6, 10)]
+    base = _row("shipped", [(12, 10, 2, 10), (30, 10, 8, 10), (20, 10, 5, 10), (14, 10, 3, 10)], base_held)
+    better_held = [(h + 1, n) for h, n in base_held]
+    better = _row(
+        "step-10", [(14, 10, 3, 10), (32, 10, 9, 10), (22, 10, 6, 10), (16, 10, 4, 10)], better_held, tokens=1000
+    )
+    unknown = _row("step-5", [(1, 1, 0, 1)], [(1, 2)], tokens=500)
+    del unknown["served"]["per_prompt"]  # its held-out samples are fewer than the baseline's: not paired either
     header, _, *lines = data_scaling.table([base, unknown, better], {"prompts": 4}, baseline="shipped").splitlines()
-    assert header.endswith("| served τ over shipped (95 %) | served α1 over shipped (95 %) |")
-    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[-2:] for line in lines}
-    assert cells["step-10"] == ["+0.200 [+0.200, +0.200]", "+0.100 [+0.100, +0.100] |"]
-    assert cells["step-5"] == ["—", "— |"] and cells["shipped"] == ["—", "— |"]
+    assert header.endswith(
+        "| held-out α1 over shipped (95 %) | served τ over shipped (95 %) | served α1 over shipped (95 %) |"
+    )
+    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[-3:] for line in lines}
+    assert cells["step-10"] == ["+0.100 [+0.100, +0.100]", "+0.200 [+0.200, +0.200]", "+0.100 [+0.100, +0.100] |"]
+    assert cells["step-5"] == ["—", "—", "— |"] and cells["shipped"] == ["—", "—", "— |"]
     with pytest.raises(SystemExit, match="--baseline nothing: no checkpoint of that name"):
         data_scaling.table([base, better], {"prompts": 4}, baseline="nothing")
     assert data_scaling._signed(-0.0001) == "+0.000" and data_scaling._signed(-0.021) == "-0.021"

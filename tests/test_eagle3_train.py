@@ -57,6 +57,31 @@ def test_epoch_batches_partition_each_global_batch_across_ranks():
     )
 
 
+def test_held_out_hits_are_kept_per_sample_in_the_order_each_rank_reads_them():
+    from types import SimpleNamespace
+
+    from train.config import TrainConfig
+    from train.schedule import SampleHits, eval_shares
+
+    tc = TrainConfig(output_dir="unused", batch_size=2, eval_samples=5)
+    eval_set = list(range(9))  # only its length matters; the first 5 samples are evaluated
+    ranks = [SimpleNamespace(process_index=r, num_processes=2, device="cpu") for r in range(2)]
+    assert [eval_shares(a, tc, eval_set) for a in ranks] == [[[0, 2], [4]], [[1, 3]]]
+
+    class OneRank(SimpleNamespace):
+        def reduce(self, t, op):  # one process: the sum over ranks is its own table
+            assert op == "sum"
+            return t
+
+    hits = SampleHits(OneRank(**vars(ranks[1])), tc, eval_set, depth=2)
+    scored = torch.tensor([[True, True, False], [False, True, True]])  # sample 1 scores 2 places, sample 3 two
+    hits.add([1, 3], 0, scored, torch.tensor([True, False, True, True]))  # row-major: 1 hit of 2, then 2 of 2
+    hits.add([1, 3], 1, scored[:, 1:], torch.tensor([False, True, False]))  # 0 of 1, then 1 of 2
+    table = hits.total()
+    assert table[1] == [[1, 2], [0, 1]] and table[3] == [[2, 2], [1, 2]]
+    assert table[0] == table[2] == table[4] == [[0, 0], [0, 0]]  # the other rank's samples: its own table's
+
+
 def test_length_grouped_batches_are_disjoint_across_ranks_and_pad_less():
     """`train.group_by_length`: every epoch still gives each rank disjoint samples (the same sample count), the
     order replays on resume, and a batch's samples have similar lengths (less padding than the random order)."""

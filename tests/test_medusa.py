@@ -25,7 +25,7 @@ from models.medusa_export import (
 )
 from models.target import TargetModel
 from tests.conftest import run_to_end, tiny_llama, tiny_run_args
-from train.losses import position_targets, rank_hits
+from train.losses import position_targets, rank_matches
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -139,7 +139,7 @@ def test_head_k_is_trained_on_token_t_plus_2_plus_k_where_that_token_is_a_loss_t
     positions, _ = position_targets(ids, mask, position=0, sample_ids=sample_ids)
     assert positions.tolist() == [[False, True, False, False, False, False]]
     logits = torch.tensor([[0.1, 0.9, 0.5], [0.8, 0.1, 0.5], [0.2, 0.3, 0.1]])
-    assert rank_hits(logits, torch.tensor([1, 2, 0]), 3).tolist() == [1, 2, 0]  # ranks 0, 1, 1
+    assert rank_matches(logits, torch.tensor([1, 2, 0]), 3).sum(0).tolist() == [1, 2, 0]  # ranks 0, 1, 1
 
 
 def test_the_tree_is_the_most_valuable_set_of_rank_paths():
@@ -307,8 +307,14 @@ def test_fp32_heads_beside_a_bf16_target_evaluate_and_serve(tiny_recipe, tmp_pat
     loaded = load_target_and_data(cfg, accelerator, lambda msg: None, None)
     assert loaded.target.lm_head.weight.dtype == torch.bfloat16
     heads = MedusaDrafter.from_target(loaded.target, 3, 1, True, loaded.tokenizer).float()
-    acc = recipe.evaluate(accelerator, loaded.target, heads, loaded.eval_set, cfg, loaded.pad_id)["eval/acc"]
+    result = recipe.evaluate(accelerator, loaded.target, heads, loaded.eval_set, cfg, loaded.pad_id, per_sample=True)
+    acc = result["eval/acc"]
     assert len(acc) == 3 and all(0.0 <= a <= 1.0 for a in acc)
+    # each held-out sample's counts (what pairs two drafters' evaluations) add up to the evaluation's accuracy
+    table = result["per_sample"]
+    assert len(table) == min(len(loaded.eval_set), cfg.train.eval_samples) and all(len(s) == 3 for s in table)
+    for k in range(3):
+        assert round(sum(s[k][0] for s in table) / sum(s[k][1] for s in table), 4) == acc[k]
     # and the curve's served chain: fp32 blocks, the shared head in bf16, greedy decoding keeps the target's tokens
     params = SamplingParams(max_new_tokens=6)
     served = generate_speculative(loaded.target, MedusaProposer(heads, k=3), [[5, 9, 11]], params).tokens

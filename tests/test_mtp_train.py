@@ -99,8 +99,15 @@ def test_fp32_modules_beside_a_bf16_target_evaluate_and_serve(tiny_recipe, tmp_p
     loaded = load_target_and_data(cfg, accelerator, lambda msg: None, None)
     assert loaded.target.lm_head.weight.dtype == torch.bfloat16
     drafter = MTPDrafter.from_target(loaded.target, 2, loaded.tokenizer).float()
-    acc = evaluate(accelerator, loaded.target, drafter, loaded.eval_set, cfg.train, 2, loaded.pad_id)["eval/acc"]
+    result = evaluate(
+        accelerator, loaded.target, drafter, loaded.eval_set, cfg.train, 2, loaded.pad_id, per_sample=True
+    )
+    acc = result["eval/acc"]
     assert len(acc) == 2 and all(0.0 <= a <= 1.0 for a in acc)
+    table = result["per_sample"]  # each held-out sample's counts add up to the evaluation's accuracy
+    assert len(table) == min(len(loaded.eval_set), cfg.train.eval_samples)
+    for d in range(2):
+        assert round(sum(s[d][0] for s in table) / sum(s[d][1] for s in table), 4) == acc[d]
     drafter.eval()
     params = SamplingParams(max_new_tokens=6)
     served = generate_speculative(loaded.target, MTPProposer(drafter, k=2), [[5, 9, 11]], params).tokens

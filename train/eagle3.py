@@ -55,7 +55,7 @@ from train.losses import TTTLoss, copy_weights, lookup_hits, ttt_loss, ttt_targe
 from train.optim import adamw  # noqa: E402
 from train.progress import Progress, record  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
-from train.schedule import epoch_batch, eval_batches, sample_lengths, to_device  # noqa: E402
+from train.schedule import SampleHits, epoch_batch, eval_batches, eval_shares, sample_lengths, to_device  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -190,26 +190,34 @@ def save_draft_vocab(accelerator, drafter: Eagle3Drafter, out: Path) -> None:
 
 
 @torch.no_grad()
-def evaluate(accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pad_id: int) -> dict:
-    """Teacher-forced top-1 agreement per TTT step on held-out samples (sharded, summed over ranks) → simulated τ."""
+def evaluate(
+    accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pad_id: int, per_sample: bool = False
+) -> dict:
+    """Teacher-forced top-1 agreement per TTT step on held-out samples (sharded, summed over ranks) → simulated τ;
+    with ``per_sample``, also each sample's hits and positions per step (``per_sample``, `SampleHits.total`)."""
     model = accelerator.unwrap_model(drafter).eval()
-    correct = torch.zeros(cfg.drafter.ttt_steps, device=accelerator.device)
-    count = torch.zeros_like(correct)
-    for batch in eval_batches(accelerator, cfg.train, eval_set, pad_id):
+    k = cfg.drafter.ttt_steps
+    hits = SampleHits(accelerator, cfg.train, eval_set, k)
+    for ids, batch in zip(
+        eval_shares(accelerator, cfg.train, eval_set), eval_batches(accelerator, cfg.train, eval_set, pad_id)
+    ):
         aux, last_hidden = target_signals(target, batch)
         allowed, positions, sample_ids = attention_masks(batch)
-        k = cfg.drafter.ttt_steps
         labels = ttt_targets(last_hidden, target.lm_head, batch["loss_mask"], model.t2d, k, sample_ids)
         with accelerator.autocast():
             features = aux.to(model.fc.weight.dtype)
             logits = model(features, batch["input_ids"], positions, allowed, k, labels.masks, cfg.drafter.ttt_attention)
-        res = ttt_loss(logits, labels)
-        correct += res.step_correct
-        count += res.step_count
-    correct, count = accelerator.reduce(correct, "sum"), accelerator.reduce(count, "sum")
+        for i, step_logits in enumerate(logits):  # ttt_loss's top-1 agreement, kept per sample
+            hits.add(ids, i, labels.masks[i], step_logits.argmax(-1) == labels.top[i])
+    table = hits.total()
     model.train()
-    alphas = (correct / count.clamp(min=1)).tolist()
-    return {"eval/acc": alphas, "eval/simulated_tau": expected_tokens(alphas)}
+    correct = [sum(s[i][0] for s in table) for i in range(k)]
+    count = [sum(s[i][1] for s in table) for i in range(k)]
+    alphas = [c / max(n, 1) for c, n in zip(correct, count)]
+    out = {"eval/acc": alphas, "eval/simulated_tau": expected_tokens(alphas)}
+    if per_sample:
+        out["per_sample"] = table
+    return out
 
 
 def add_self_distilled(accelerator, cfg: Eagle3RecipeConfig, loaded: TargetAndData, log) -> datasets.Dataset:

@@ -164,10 +164,10 @@ def position_targets(
     return positions, labels
 
 
-def rank_hits(logits: torch.Tensor, labels: torch.Tensor, ranks: int) -> torch.Tensor:
-    """logits [N, V], labels [N] → [ranks] int64: how often the label is the r-th most likely token (r < ranks)."""
-    top = logits.topk(ranks, dim=-1).indices  # [N, ranks]
-    return (top == labels[:, None]).sum(0)
+def rank_matches(logits: torch.Tensor, labels: torch.Tensor, ranks: int) -> torch.Tensor:
+    """logits [N, V], labels [N] → [N, ranks] bool: whether the label is the r-th most likely token (r < ranks);
+    summed over N, how often it is (column 0: the top-1 hits)."""
+    return logits.topk(ranks, dim=-1).indices == labels[:, None]
 
 
 def position_losses(

@@ -47,10 +47,10 @@ from train.features import final_hidden  # noqa: E402
 from train.finish import report_drafter, save_drafter  # noqa: E402
 from train.joint import JointConfig, joint_words, trained_modules  # noqa: E402
 from train.loop import LoopResult, TargetAndData, feature_source, load_target_and_data, start_training  # noqa: E402
-from train.losses import position_targets, rank_hits  # noqa: E402
+from train.losses import position_targets, rank_matches  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
-from train.schedule import eval_batches, sample_lengths, to_device  # noqa: E402
+from train.schedule import SampleHits, eval_batches, eval_shares, sample_lengths, to_device  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -113,31 +113,43 @@ def heads_on(heads: MedusaDrafter, out, batch: dict, positions: list[torch.Tenso
 
 
 @torch.no_grad()
-def evaluate(accelerator, target, model: MedusaDrafter, eval_set, cfg: MedusaRecipeConfig, pad_id: int) -> dict:
+def evaluate(
+    accelerator, target, model: MedusaDrafter, eval_set, cfg: MedusaRecipeConfig, pad_id: int, per_sample: bool = False
+) -> dict:
     """Held-out rank accuracy of every head (how often the label is its r-th candidate, r < tree_ranks), summed over
-    ranks → simulated τ of the chain and the static tree that maximises the expected accepted length."""
+    ranks → simulated τ of the chain and the static tree that maximises the expected accepted length; with
+    ``per_sample``, also each sample's top-1 hits and positions per head (``per_sample``, `SampleHits.total`)."""
     model.eval()
     K, R = model.config.num_heads, cfg.heads.tree_ranks
     hits = torch.zeros(K, R, device=accelerator.device)
     count = torch.zeros(K, device=accelerator.device)
-    for batch in eval_batches(accelerator, cfg.train, eval_set, pad_id):
+    samples = SampleHits(accelerator, cfg.train, eval_set, K)
+    for ids, batch in zip(
+        eval_shares(accelerator, cfg.train, eval_set), eval_batches(accelerator, cfg.train, eval_set, pad_id)
+    ):
         hidden = final_hidden(target, batch).to(next(model.parameters()).dtype)  # as the training step reads it
         targets = [position_targets(batch["input_ids"], batch["loss_mask"], k) for k in range(K)]
         logits = model([hidden[positions] for positions, _ in targets])  # forward: FSDP gathers its shards there
         for k, (positions, labels) in enumerate(targets):
-            hits[k] += rank_hits(logits[k], labels[positions], R)
+            matches = rank_matches(logits[k], labels[positions], R)
+            hits[k] += matches.sum(0)
             count[k] += positions.sum()
+            samples.add(ids, k, positions, matches[:, 0])
     hits, count = accelerator.reduce(hits, "sum"), accelerator.reduce(count, "sum")
+    table = samples.total()
     model.train()
     acc = (hits / count.clamp(min=1)[:, None]).tolist()
     paths = best_rank_paths(acc, cfg.heads.tree_nodes)
-    return {
+    out = {
         "eval/acc": [round(a[0], 4) for a in acc],
         "eval/rank_acc": [[round(x, 4) for x in a] for a in acc],
         "eval/simulated_tau": expected_tokens([a[0] for a in acc]),
         "eval/tree_expected_tau": 1 + expected_accepted(acc, paths),
         "tree_paths": [list(p) for p in paths],
     }
+    if per_sample:
+        out["per_sample"] = table
+    return out
 
 
 def build_heads(cfg: MedusaRecipeConfig, target, tokenizer, log) -> MedusaDrafter:

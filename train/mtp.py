@@ -50,10 +50,10 @@ from train.features import attention_masks, target_forward  # noqa: E402
 from train.finish import report_drafter, save_drafter  # noqa: E402
 from train.joint import JointConfig, joint_words, trained_modules  # noqa: E402
 from train.loop import LoopResult, TargetAndData, load_target_and_data, start_training  # noqa: E402
-from train.losses import position_targets, rank_hits  # noqa: E402
+from train.losses import position_targets, rank_matches  # noqa: E402
 from train.position_loop import PositionTask, train_positions  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
-from train.schedule import eval_batches, sample_lengths, to_device  # noqa: E402
+from train.schedule import SampleHits, eval_batches, eval_shares, sample_lengths, to_device  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -139,33 +139,50 @@ def depth_targets(batch: dict, D: int) -> list[tuple[torch.Tensor, torch.Tensor]
 
 
 @torch.no_grad()
-def evaluate(accelerator, target: TargetModel, drafter: MTPDrafter, eval_set, tc: TrainConfig, R: int, pad_id: int):
+def evaluate(
+    accelerator,
+    target: TargetModel,
+    drafter: MTPDrafter,
+    eval_set,
+    tc: TrainConfig,
+    R: int,
+    pad_id: int,
+    per_sample: bool = False,
+):
     """Held-out, teacher-forced: every depth's loss and rank accuracy (how often the label is its r-th candidate,
-    r < R) → simulated τ of the chain and expected τ of the chain + top-R sibling tree the proposer builds."""
+    r < R) → simulated τ of the chain and expected τ of the chain + top-R sibling tree the proposer builds; with
+    ``per_sample``, also each sample's top-1 hits and positions per depth (``per_sample``, `SampleHits.total`)."""
     drafter.eval()
     D, signal = drafter.config.num_modules, input_signal(drafter)
     hits, loss = torch.zeros(D, R, device=accelerator.device), torch.zeros(D, device=accelerator.device)
     count = torch.zeros(D, device=accelerator.device)
-    for batch in eval_batches(accelerator, tc, eval_set, pad_id):
+    samples = SampleHits(accelerator, tc, eval_set, D)
+    for ids, batch in zip(eval_shares(accelerator, tc, eval_set), eval_batches(accelerator, tc, eval_set, pad_id)):
         targets = depth_targets(batch, D)
         hidden = signal.of(target_forward(target, batch, logits=False))
         for d, (logits, (positions, labels)) in enumerate(
             zip(run_modules(drafter, hidden, batch, [p for p, _ in targets]), targets)
         ):
-            hits[d] += rank_hits(logits, labels[positions], R)
+            matches = rank_matches(logits, labels[positions], R)
+            hits[d] += matches.sum(0)
             loss[d] += F.cross_entropy(logits.float(), labels[positions], reduction="sum")
             count[d] += positions.sum()
+            samples.add(ids, d, positions, matches[:, 0])
     hits, loss, count = (accelerator.reduce(x, "sum") for x in (hits, loss, count))
+    table = samples.total()
     drafter.train()
     acc = (hits / count.clamp(min=1)[:, None]).tolist()
     tree = [(0,) * d + (r,) for d in range(D) for r in range(R)]  # MTPProposer(top_k=R): chain + leaf siblings
-    return {
+    out = {
         "eval/depth_loss": [round(x, 4) for x in (loss / count.clamp(min=1)).tolist()],
         "eval/acc": [round(a[0], 4) for a in acc],
         "eval/rank_acc": [[round(x, 4) for x in a] for a in acc],
         "eval/simulated_tau": expected_tokens([a[0] for a in acc]),
         f"eval/tree_top{R}_expected_tau": 1 + expected_accepted(acc, tree),
     }
+    if per_sample:
+        out["per_sample"] = table
+    return out
 
 
 def build_modules(cfg: MTPRecipeConfig, target: TargetModel, tokenizer, log) -> MTPDrafter:

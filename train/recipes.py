@@ -26,9 +26,16 @@ from train import eagle3, medusa, mtp
 
 ROOT = Path(__file__).resolve().parents[1]
 
-HeldoutAcceptance = Callable[[Accelerator, TargetModel, torch.nn.Module, Any, Any, int], list[float]]
+HeldoutAcceptance = Callable[
+    [Accelerator, TargetModel, torch.nn.Module, Any, Any, int], tuple[list[float], list[list[list[int]]]]
+]
 """(accelerator, target, drafter, held-out set, recipe config, pad id) → teacher-forced top-1 agreement per draft
-position on the held-out set, as the training run logs it (``eval/acc``)."""
+position on the held-out set, as the training run logs it (``eval/acc``), and each held-out sample's hits and
+positions per draft position (`train.schedule.SampleHits.total`), which pair two drafters' evaluations."""
+
+
+def _acceptance(result: dict) -> tuple[list[float], list[list[list[int]]]]:
+    return result["eval/acc"], result["per_sample"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +52,9 @@ class TrainingEntry:
     """The script's held-out evaluation, per draft position."""
 
 
-def _mtp_acceptance(accelerator, target, drafter, eval_set, cfg: mtp.MTPRecipeConfig, pad_id: int) -> list[float]:
-    return mtp.evaluate(accelerator, target, drafter, eval_set, cfg.train, cfg.mtp.tree_ranks, pad_id)["eval/acc"]
+def _mtp_acceptance(accelerator, target, drafter, eval_set, cfg: mtp.MTPRecipeConfig, pad_id: int):
+    tc, ranks = cfg.train, cfg.mtp.tree_ranks
+    return _acceptance(mtp.evaluate(accelerator, target, drafter, eval_set, tc, ranks, pad_id, per_sample=True))
 
 
 TRAINING: tuple[TrainingEntry, ...] = (
@@ -54,13 +62,13 @@ TRAINING: tuple[TrainingEntry, ...] = (
         eagle3_proposer.FAMILY,
         eagle3.Eagle3RecipeConfig,
         eagle3.main,
-        lambda *args: eagle3.evaluate(*args)["eval/acc"],
+        lambda *args: _acceptance(eagle3.evaluate(*args, per_sample=True)),
     ),
     TrainingEntry(
         medusa_proposer.FAMILY,
         medusa.MedusaRecipeConfig,
         medusa.main,
-        lambda *args: medusa.evaluate(*args)["eval/acc"],
+        lambda *args: _acceptance(medusa.evaluate(*args, per_sample=True)),
     ),
     TrainingEntry(mtp_proposer.FAMILY, mtp.MTPRecipeConfig, mtp.main, _mtp_acceptance),
 )

@@ -109,10 +109,41 @@ def check_sharding(
     return sharding
 
 
-def eval_batches(accelerator: Accelerator, tc: TrainConfig, eval_set, pad_id: int):
-    """Collated batches of this rank's share of the first ``tc.eval_samples`` held-out samples (callers sum their
-    counts and reduce them over ranks)."""
+def eval_shares(accelerator: Accelerator, tc: TrainConfig, eval_set) -> list[list[int]]:
+    """This rank's share of the first ``tc.eval_samples`` held-out samples, as the index lists `eval_batches`
+    collates, batch by batch (rank r takes samples r, r + world, ...)."""
     n = min(len(eval_set), tc.eval_samples)
     mine = list(range(accelerator.process_index, n, accelerator.num_processes))
-    for s in range(0, len(mine), tc.batch_size):
-        yield to_device(collate([eval_set[i] for i in mine[s : s + tc.batch_size]], pad_id), accelerator.device)
+    return [mine[s : s + tc.batch_size] for s in range(0, len(mine), tc.batch_size)]
+
+
+def eval_batches(accelerator: Accelerator, tc: TrainConfig, eval_set, pad_id: int):
+    """Collated batches of this rank's share of the first ``tc.eval_samples`` held-out samples (callers sum their
+    counts and reduce them over ranks), in the order of `eval_shares`."""
+    for ids in eval_shares(accelerator, tc, eval_set):
+        yield to_device(collate([eval_set[i] for i in ids], pad_id), accelerator.device)
+
+
+class SampleHits:
+    """Top-1 hits and scored positions per held-out sample and draft position, ``counts`` [n, depth, 2] (hits,
+    positions), summed over ranks by `total`. Two drafters evaluated on the same held-out samples give two such
+    tables whose rows pair up: what a paired interval of their acceptance gain needs
+    (`eval.rows.paired_ratio_gain`); the summed table divides to the evaluation's own per-position accuracy."""
+
+    def __init__(self, accelerator: Accelerator, tc: TrainConfig, eval_set, depth: int):
+        self.accelerator = accelerator
+        n = min(len(eval_set), tc.eval_samples)
+        self.counts = torch.zeros(n, depth, 2, dtype=torch.long, device=accelerator.device)
+
+    def add(self, ids: list[int], depth: int, scored: torch.Tensor, hit: torch.Tensor) -> None:
+        """One batch at one draft position: ``ids`` its rows' sample indices (`eval_shares`), ``scored`` [B, T] bool
+        the places scored there, ``hit`` [N] bool whether each was a top-1 hit, in ``scored``'s row-major order
+        (the order ``logits[scored]`` has)."""
+        index = torch.as_tensor(ids, device=self.counts.device)
+        rows = scored.nonzero(as_tuple=True)[0]
+        self.counts[:, depth, 0].index_add_(0, index[rows], hit.long())
+        self.counts[:, depth, 1].index_add_(0, index, scored.sum(1).long())
+
+    def total(self) -> list[list[list[int]]]:
+        """The table summed over ranks, as nested lists (sample, position, (hits, positions))."""
+        return self.accelerator.reduce(self.counts, "sum").tolist()

@@ -140,18 +140,28 @@ def _in_turn(calls: dict, reps: int, device: torch.device | str | None) -> dict[
     return {key: Timing(tuple(t)) for key, t in times.items()}
 
 
-def gemm_seconds(dtype: torch.dtype, n: int = 512, reps: int = 5) -> Timing:
-    """Timings of one n × n GEMM in ``dtype`` (CPU), after one warm-up. The operands come from the probe's own
-    random generator: a probe must not move the caller's random stream (a model built after it would get other
-    weights)."""
+def gemm_seconds(dtype: torch.dtype, n: int = 512, reps: int = 5, shape: tuple[int, int, int] | None = None) -> Timing:
+    """Timings of one n × n GEMM in ``dtype`` (CPU), or of an (m, k, n) = ``shape`` one (m × k by k × n), after one
+    warm-up. The operands come from the probe's own random generator: a probe must not move the caller's random
+    stream (a model built after it would get other weights)."""
+    m, k, cols = shape or (n, n, n)
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
+    a, b = torch.randn(m, k, generator=g).to(dtype), torch.randn(k, cols, generator=g).to(dtype)
     return best_of(lambda: a @ b, reps)
 
 
 def gemm_gflops(seconds: float, n: int) -> float:
     """The rate of an n × n GEMM that took ``seconds``: 2n³ floating-point operations."""
     return 2 * n**3 / seconds / 1e9
+
+
+def best_gemm_rate(dtype: torch.dtype, shapes: tuple[tuple[int, int, int], ...], reps: int = 3) -> tuple[float, tuple]:
+    """(FLOP/s, shape) of the fastest of ``shapes`` (each (m, k, n), its median of ``reps``): a machine's GEMM rate
+    for a kind of work. One shape is not enough: oneDNN picks its kernel by shape, and on a CPU with AMX a 1024²
+    bf16 GEMM ran at half the rate of a 2048² one or of a model's own 512-row projection (docs/decisions.md)."""
+    rates = {s: 2 * s[0] * s[1] * s[2] / gemm_seconds(dtype, reps=reps, shape=s).median for s in shapes}
+    shape = max(rates, key=rates.get)
+    return rates[shape], shape
 
 
 def monotone(curve: dict[int, float]) -> dict[int, float]:

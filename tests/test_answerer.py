@@ -353,13 +353,38 @@ def test_static_batching_answers_the_same_and_the_decode_flops_count_every_weigh
     assert decode_flops_per_token(config, 10) == 2 * weights + 4 * 2 * 10 * 32
 
 
+def test_every_join_offers_the_freed_heap_back(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
+    """The answerer keeps freed blocks in its heap (`keep_freed_memory`); over a run of long prompts the fragments
+    outgrew a 24 GB machine. Every join (each call for new prompts) offers them back (`release_freed_memory` trims
+    only past half the machine), so a run of many joins calls it once a join."""
+    import train.data.answerer as answerer
+
+    calls = []
+    monkeypatch.setattr(answerer, "release_freed_memory", lambda: calls.append(1) or False)
+    tok, target = tokenizers["reference"], TargetModel(tiny_target)
+    asked = []
+    monkeypatch.setattr(answerer._Answering, "submit", _counting(answerer._Answering.submit, asked))
+    answer(target, tok, _jobs(), AnswerConfig(max_new_tokens=4, batch_size=2), tmp_path / "c", log=lambda m: None)
+    assert len(asked) >= 5 and len(calls) == len(asked)  # 10 turns, two rows at a time
+
+
+def _counting(method, calls: list):
+    def wrapped(self, n):
+        calls.append(n)
+        return method(self, n)
+
+    return wrapped
+
+
 def test_the_run_is_set_against_the_machines_limit_for_the_same_work(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
     """Every answer run prints its answer tokens/s beside the fastest the same FLOPs (every prompt's prefill, every
     decode step) could run at the machine's GEMM rate."""
     import train.data.answerer as answerer
     from train.data.answerer import decode_flops_per_token, machine_limit
 
-    monkeypatch.setattr(answerer, "_gemm_rate", lambda dtype: 1e9)  # 1 GFLOP/s: the arithmetic below is exact
+    monkeypatch.setattr(
+        answerer, "_gemm_rate", lambda *dtype_and_shape: 1e9
+    )  # 1 GFLOP/s: the arithmetic below is exact
     tok, target = tokenizers["reference"], TargetModel(tiny_target)
     lines = []
     counts = answer(

@@ -62,6 +62,15 @@ def test_the_gemm_probe_leaves_the_callers_random_stream_alone():
     assert torch.equal(torch.rand(3), expected) and len(t.samples) == 2 and t.best > 0
 
 
+def test_the_best_gemm_rate_is_the_fastest_shapes(monkeypatch):
+    import models.timing as timing
+
+    seconds = {(8, 8, 8): 1.0, (4, 8, 16): 0.5}  # 1,024 FLOP in 1 s; 1,024 FLOP in 0.5 s
+    monkeypatch.setattr(timing, "gemm_seconds", lambda dtype, reps, shape: Timing((seconds[shape],)))
+    assert timing.best_gemm_rate(torch.float32, tuple(seconds)) == (2048.0, (4, 8, 16))
+    assert gemm_seconds(torch.float32, reps=1, shape=(3, 5, 7)).best > 0  # a non-square shape runs
+
+
 def test_the_monotone_fit_takes_the_lower_envelope():
     """Noise only adds time to a best-of timing: a 2-row forward timed below a 1-row one lowers the 1-row cost, and
     a spike at 5 rows is removed instead of carried to 6-8 rows (a running maximum would carry it)."""

@@ -41,9 +41,9 @@ from tqdm.auto import tqdm
 from infer.continuous import decode_continuous
 from infer.sampling import SamplingParams
 from infer.serving import prepare_target  # prepare_target: the entry points below
-from models.allocator import keep_freed_memory
+from models.allocator import keep_freed_memory, release_freed_memory
 from models.target import TargetModel
-from models.timing import gemm_gflops, gemm_seconds
+from models.timing import best_gemm_rate
 from models.tokenizer import stop_ids
 from train.data.chat_render import end_of_turn_token_ids, render
 from train.data.files import read_shard, rewrite_shard
@@ -291,6 +291,10 @@ class _Answering:
         self.flush(self.cfg.batch_size)
 
     def submit(self, n: int) -> list[tuple[str, list[int]]]:
+        # a join is where the cache is rebuilt at a new width: the heap keeps every freed block (keep_freed_memory),
+        # and over a run of long prompts the fragments grew past the machine (24 GB at batch 128, 20 GB at batch 64
+        # within 11 minutes, killed for memory); past half the machine they are handed back here
+        release_freed_memory()
         out = self.queue[:n]
         del self.queue[:n]
         while len(out) < n and self.fresh:
@@ -379,9 +383,12 @@ def decode_flops_per_token(config, context: int) -> float:
 
 
 @functools.lru_cache(maxsize=4)
-def _gemm_rate(dtype: torch.dtype) -> float:
-    """FLOP/s of a 1024² GEMM in ``dtype``: what the cores sustain on the easiest dense work (once per process)."""
-    return gemm_gflops(gemm_seconds(dtype, 1024, reps=3).median, 1024) * 1e9
+def _gemm_rate(dtype: torch.dtype, hidden: int, intermediate: int) -> float:
+    """FLOP/s of the fastest of three GEMMs in ``dtype`` (once per process): squares of 1024 and 2048, and the
+    target's own MLP projection over 512 rows. A limit must not be slower than some of the work it bounds: the best
+    rate the cores reach on such dense work is the bound, whichever shape reaches it here."""
+    shapes = ((1024, 1024, 1024), (2048, 2048, 2048), (512, hidden, intermediate))
+    return best_gemm_rate(dtype, shapes)[0]
 
 
 def machine_limit(target: TargetModel, counts: dict) -> dict:
@@ -394,7 +401,7 @@ def machine_limit(target: TargetModel, counts: dict) -> dict:
     head = 2.0 * text.hidden_size * text.vocab_size  # a prefill keeps one position's logits
     prefill = counts.get("prompt_tokens", 0) * (decode_flops_per_token(target.config, int(prompt / 2)) - head)
     decode = answer_tokens * decode_flops_per_token(target.config, int(prompt + answer_tokens / answers / 2))
-    rate = _gemm_rate(target.dtype)
+    rate = _gemm_rate(target.dtype, text.hidden_size, text.intermediate_size)
     flops_per_answer_token = (prefill + decode) / max(answer_tokens, 1)
     limit = rate / flops_per_answer_token
     return {

@@ -10,9 +10,9 @@ from train.data.text_tier import EVAL_RAG, EVAL_SUMMARIZE
 
 PROSE = " ".join(["Prose"] + ["word"] * 130) + "."
 DUMP = f"""<mediawiki>
-<page><title>Anarchism</title><ns>0</ns><revision><text xml:space="preserve">{{{{Infobox |name={{{{nested}}}}}}}}
+<page><title>Anarchism &amp; order</title><ns>0</ns><revision><text xml:space="preserve">{{{{Infobox |name={{{{nested}}}}}}}}
 '''Anarchism''' is a [[political philosophy|philosophy]] that [[state (polity)|rejects]] rulers.&lt;ref&gt;A book,
-p. 3&lt;/ref&gt; It has a [[history]].
+p. 3&lt;/ref&gt; It has a&amp;nbsp;[[history]] &amp;mdash; a long one.
 [[File:Flag.svg|thumb|A [[flag]] in black]]
 {{| class="wikitable"
 | a table || that goes
@@ -32,9 +32,10 @@ p. 3&lt;/ref&gt; It has a [[history]].
 def test_wikitext_is_read_as_plain_prose_per_section():
     sections = wd.wiki_sections(DUMP)
     # the redirect, the talk page and the "See also" section are skipped; lists, tables and files leave nothing
-    assert [(a, s) for a, s, _ in sections] == [("Anarchism", "overview"), ("Anarchism", "History")]
+    # XML's escapes and the wikitext's own entities (&nbsp;, &mdash;) are read as the characters they name
+    assert [(a, s) for a, s, _ in sections] == [("Anarchism & order", "overview"), ("Anarchism & order", "History")]
     lead = sections[0][2]
-    assert lead == "Anarchism is a philosophy that rejects rulers. It has a history."
+    assert lead == "Anarchism is a philosophy that rejects rulers. It has a history \u2014 a long one."
     assert sections[1][2] == PROSE
 
 

@@ -15,15 +15,12 @@ Santiago Vila, Josip Rodin, Javier Fernández-Sanguino et al., GPL-2+). Every pr
 from __future__ import annotations
 
 import argparse
-import json
 import random
-from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
 
 from train.data.debian_reference import PARAGRAPH_WORDS, TRANSLATE_SHAPES, fetch, is_prose, package_files
-from train.data.files import write_jsonl_gz
-from train.data.reshaped import prompt_row
+from train.data.reshaped import prompt_row, write_prompts
 
 MANUALS = {"maint-guide-de": ".de.html", "debian-faq-de": ".de.html"}
 """Package → the suffix of its German HTML pages."""
@@ -88,11 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         manuals[name] = {path: paragraphs(raw.decode("utf-8", errors="replace")) for path, raw in pages.items()}
         if not any(manuals[name].values()):
             raise SystemExit(f"{name}: no prose paragraphs in its {suffix} pages: has the layout changed?")
-    rows = build(manuals, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl_gz(rows, args.out)
-    print(json.dumps(dict(Counter(r["source"] for r in rows)), indent=2))
-    print(f"wrote {len(rows)} prompts to {args.out}")
+    write_prompts(build(manuals, args.seed), args.out)
 
 
 if __name__ == "__main__":

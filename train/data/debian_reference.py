@@ -27,17 +27,14 @@ from __future__ import annotations
 import argparse
 import gzip
 import io
-import json
 import random
 import re
 import shutil
 import subprocess
 import tarfile
-from collections import Counter
 from pathlib import Path
 
-from train.data.files import write_jsonl_gz
-from train.data.reshaped import prompt_row
+from train.data.reshaped import prompt_row, write_prompts
 
 LANGUAGES = {"en": "English", "de": "German", "fr": "French", "es": "Spanish"}
 """Editions read: English for summarization and RAG, the others translated into English."""
@@ -192,12 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"no prose paragraphs found in the {', '.join(empty)} edition(s): has the text layout changed?"
         )
-    rows = build(editions, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl_gz(rows, args.out)
-    counts = Counter((r["family"], r["source"]) for r in rows)
-    print(json.dumps({f"{family} {source}": n for (family, source), n in sorted(counts.items())}, indent=2))
-    print(f"wrote {len(rows)} prompts to {args.out}")
+    write_prompts(build(editions, args.seed), args.out)
 
 
 if __name__ == "__main__":

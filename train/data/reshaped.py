@@ -103,6 +103,16 @@ def prompt_row(family: str, source: str, rid: str, user: str) -> dict:
     return {"id": rid, "family": family, "source": source, "messages": [{"role": "user", "content": user}]}
 
 
+def write_prompts(rows: list[dict], out: Path) -> None:
+    """``rows`` of `prompt_row` into ``out`` (.jsonl.gz, its folder made), and their count per family and source
+    printed: what every prompt builder over new material ends with."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl_gz(rows, out)
+    counts = Counter((r["family"], r["source"]) for r in rows)
+    print(json.dumps({f"{family} {source}": n for (family, source), n in sorted(counts.items())}, indent=2))
+    print(f"wrote {len(rows)} prompts to {out}")
+
+
 def build(found: dict[str, list[tuple[str, str]]], seed: int = 0) -> list[dict]:
     """The reshaped prompts, deterministic in ``seed``; shapes are drawn without repeats within one item."""
     rng = random.Random(seed)
@@ -137,12 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     empty = [k for k, v in found.items() if not v]
     if empty:
         raise SystemExit(f"no {', '.join(empty)} material found in {[str(s) for s in args.sources]}")
-    rows = build(found, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl_gz(rows, args.out)
-    counts = Counter(r["family"] for r in rows)
-    print(json.dumps({"material": {k: len(v) for k, v in found.items()}, "prompts": dict(counts)}, indent=2))
-    print(f"wrote {len(rows)} prompts to {args.out}")
+    print(json.dumps({"material": {k: len(v) for k, v in found.items()}}))
+    write_prompts(build(found, args.seed), args.out)
 
 
 if __name__ == "__main__":

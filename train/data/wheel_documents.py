@@ -32,17 +32,16 @@ from __future__ import annotations
 import argparse
 import bz2
 import gzip
+import html
 import json
 import random
 import re
 import subprocess
 import sys
 import zipfile
-from collections import Counter
 from pathlib import Path
 
-from train.data.files import write_jsonl_gz
-from train.data.reshaped import prompt_row
+from train.data.reshaped import prompt_row, write_prompts
 
 WHEELS = {"gensim": "4.4.0", "inspect-evals": "0.28.0"}
 NEWS = "gensim/test/test_data/lee_background.cor"
@@ -118,7 +117,7 @@ def plain(wikitext: str) -> str:
     text = _LINK.sub(r"\1", text)
     text = _EXTERNAL.sub(r"\1", text)
     text = _TAG.sub("", text)
-    return text.replace("'''", "").replace("''", "").replace("&nbsp;", " ")
+    return text.replace("'''", "").replace("''", "")
 
 
 def wiki_sections(xml: str) -> list[tuple[str, str, str]]:
@@ -130,16 +129,15 @@ def wiki_sections(xml: str) -> list[tuple[str, str, str]]:
         body = re.search(r"<text[^>]*>(.*?)</text>", page, re.S)
         if not title or not body or "<ns>0</ns>" not in page or body.group(1).lstrip().upper().startswith("#REDIRECT"):
             continue
-        text = plain(body.group(1).replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", '"')).replace(
-            "&amp;", "&"
-        )
+        # the dump escapes the wikitext once for XML, and the wikitext writes its own entities (&nbsp;, &mdash;)
+        text = html.unescape(plain(html.unescape(body.group(1)))).replace("\xa0", " ")
         section, lines = "overview", []
         for line in text.splitlines() + ["== end =="]:
             heading = _HEADING.match(line.strip())
             if heading:
                 prose = " ".join(lines).strip()
                 if prose and section.lower() not in SKIPPED_SECTIONS:
-                    out.append((title.group(1), section, prose))
+                    out.append((html.unescape(title.group(1)), section, prose))
                 section, lines = heading.group(2), []
             elif line.strip() and not line.lstrip().startswith(("*", "#", ":", ";", "|", "!", "{", "}")):
                 lines.append(line.strip())
@@ -197,12 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     bank = json.loads(gzip.decompress(evals.read(BANK)))
     if not news or not wiki or not bank:
         raise SystemExit(f"empty source: {len(news)} stories, {len(wiki)} sections, {len(bank)} documents")
-    rows = build(news, wiki, bank, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl_gz(rows, args.out)
-    counts = Counter((r["family"], r["source"]) for r in rows)
-    print(json.dumps({f"{family} {source}": n for (family, source), n in sorted(counts.items())}, indent=2))
-    print(f"wrote {len(rows)} prompts to {args.out}")
+    write_prompts(build(news, wiki, bank, args.seed), args.out)
 
 
 if __name__ == "__main__":

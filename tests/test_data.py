@@ -595,3 +595,18 @@ def test_extra_paths_read_two_tiers_as_one_dataset(tmp_path):
     assert raw[4]["messages"] == CONVERSATIONS[1]
     with pytest.raises(ValueError, match="no such file"):
         load_raw(DataConfig(path=str(one), extra_paths=[str(tmp_path / "missing")]))
+
+
+def test_repeats_weight_each_path_of_a_mixture(tmp_path):
+    """``repeats`` reads each of ``path`` and ``extra_paths`` that many times (a mixing weight); a count per path,
+    each at least 1, or the config is refused."""
+    one, two = tmp_path / "one.jsonl", tmp_path / "two"
+    two.mkdir()
+    write_jsonl(one, [{"messages": CONVERSATIONS[0]}] * 2)
+    write_jsonl(two / "b.jsonl", [{"messages": CONVERSATIONS[1]}] * 3)
+    raw = load_raw(DataConfig(path=str(one), extra_paths=[str(two)], repeats=[1, 3]))
+    assert len(raw) == 2 + 3 * 3
+    assert [m == CONVERSATIONS[1] for m in raw["messages"]] == [False] * 2 + [True] * 9
+    for bad in ([2], [1, 0], [1, 2, 3]):
+        with pytest.raises(ValueError, match="repeats"):
+            DataConfig(path=str(one), extra_paths=[str(two)], repeats=bad)

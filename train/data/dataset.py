@@ -68,6 +68,9 @@ class DataConfig:
     extra_paths: list[str] = field(default_factory=list)
     """More local files or directories read after ``path``, as one dataset with it (e.g. two data tiers): every
     file keeps the columns all files share."""
+    repeats: list[int] = field(default_factory=list)
+    """How many times each of ``path`` and ``extra_paths`` is read, in that order (empty: once each): a mixing weight,
+    so a small folder of new material is not drowned by the large ones beside it."""
     split: str = "train"
     """Split to read (for local files it only names the split the files are loaded into)."""
     format: str = "auto"
@@ -97,6 +100,11 @@ class DataConfig:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         if self.num_proc < 1:
             raise ValueError(f"num_proc must be >= 1, got {self.num_proc}")
+        if self.repeats and (len(self.repeats) != 1 + len(self.extra_paths) or min(self.repeats) < 1):
+            raise ValueError(
+                f"repeats needs a count >= 1 for path and each of extra_paths ({1 + len(self.extra_paths)}), "
+                f"got {self.repeats}"
+            )
 
 
 # --------------------------------------------------------------------------- loading
@@ -104,14 +112,15 @@ def load_raw(cfg: DataConfig) -> datasets.Dataset:
     """The untokenised rows, through ``load_dataset`` (json/parquet builders for local paths)."""
     path = Path(cfg.path)
     if not path.exists():
-        if cfg.extra_paths:
-            raise ValueError(f"extra_paths needs local files: {cfg.path} is not one")
+        if cfg.extra_paths or cfg.repeats:
+            raise ValueError(f"extra_paths and repeats need local files: {cfg.path} is not one")
         return datasets.load_dataset(cfg.path, split=cfg.split, cache_dir=cfg.cache_dir)
     files = []
-    for p in [path, *map(Path, cfg.extra_paths)]:
+    paths = [path, *map(Path, cfg.extra_paths)]
+    for p, times in zip(paths, cfg.repeats or [1] * len(paths)):
         if not p.exists():
             raise ValueError(f"{p}: no such file or directory (data.extra_paths)")
-        files += [p] if p.is_file() else sorted(f for f in p.rglob("*") if _builder(f))
+        files += ([p] if p.is_file() else sorted(f for f in p.rglob("*") if _builder(f))) * times
     builders = {_builder(p) for p in files}
     if len(builders) != 1 or None in builders:
         raise ValueError(f"{cfg.path}: expected .json/.jsonl(.gz) or .parquet files of one kind, found {files[:5]}")

@@ -182,12 +182,18 @@ def build(news: list[str], wiki: list[tuple[str, str, str]], bank: list[dict], s
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def wheel_args(doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """The command line of a prompt builder over wheels: ``--out``, ``--download-dir`` (one for every such builder,
+    so a wheel is downloaded once), ``--seed``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="output .jsonl.gz of prompts")
     ap.add_argument("--download-dir", type=Path, default=Path("outputs/wheel-documents/sources"))
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = wheel_args(__doc__, argv)
     gensim = zipfile.ZipFile(fetch("gensim", args.download_dir))
     evals = zipfile.ZipFile(fetch("inspect-evals", args.download_dir))
     news = news_stories(gensim.read(NEWS).decode("utf-8"))

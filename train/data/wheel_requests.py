@@ -7,7 +7,7 @@ as people write them:
 
 - ``writingbench/benchmark_all.jsonl``: WritingBench (Wu et al. 2025), 1,000 writing requests over six domains
   (academic and engineering, finance and business, politics and law, literature and arts, education, advertising
-  and marketing), many with the material to write from pasted in; 559 are in English, the rest in Chinese, which
+  and marketing), many with the material to write from pasted in; 558 are in English, the rest in Chinese, which
   the target does not write. English requests of up to ``WRITING_WORDS`` words are asked as written (family
   ``mt_bench``: MT-Bench's writing, roleplay and humanities requests are of this kind);
 - ``abstention_bench/data/freshqa/FreshQA_v*.csv``: FreshQA (Vu et al. 2023), questions about the world, some

@@ -404,6 +404,28 @@ def test_the_run_is_set_against_the_machines_limit_for_the_same_work(tokenizers,
     assert got["limit_tokens_per_s"] == round(1e9 / (flops / 10), 1)
 
 
+def test_the_limit_is_the_best_gemm_rate_the_run_saw(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
+    """The machine's rate is probed before the run and again at its shards (at most once a minute; here every time):
+    the limit divides by the fastest of them, so a probe taken in a slow minute cannot lower it."""
+    import train.data.answerer as answerer
+
+    rates = iter([1e9, 4e9, 2e9, 3e9, 1e9, 1e9, 1e9, 1e9, 1e9])
+    calls = []
+    monkeypatch.setattr(answerer, "best_gemm_rate", lambda dtype, shapes: (calls.append(shapes) or next(rates), None))
+    monkeypatch.setattr(answerer, "_best_rates", {})
+    monkeypatch.setattr(answerer, "RATE_EVERY_S", 0.0)
+    tok, target = tokenizers["reference"], TargetModel(tiny_target)
+    counts = answer(target, tok, _jobs(), AnswerConfig(max_new_tokens=4, batch_size=2), tmp_path / "r", log=lambda m: 0)
+    shards = len(list((tmp_path / "r").glob("shard-*")))
+    assert shards >= 2 and len(calls) == 1 + shards + 1  # before the run, at each shard, and for the limit
+    assert counts["gemm_gflops"] == 4.0  # the best, not the last (1e9) nor the first
+    # a probe younger than RATE_EVERY_S is not taken again: the best so far stands
+    monkeypatch.setattr(answerer, "RATE_EVERY_S", 3600.0)
+    text = target.config.get_text_config()
+    assert answerer._gemm_rate(target.dtype, text.hidden_size, text.intermediate_size) == 4e9
+    assert len(calls) == 1 + shards + 1
+
+
 def test_the_target_written_build_answers_through_the_answerer_and_resumes(
     tokenizers,  # noqa: F811 (a fixture)
     tiny_target,  # noqa: F811

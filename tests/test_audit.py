@@ -134,7 +134,7 @@ def test_drop_rewrites_the_shards_without_the_failing_conversations(tokenizers, 
     assert len(open(str(shards) + ".audit.jsonl").readlines()) == len(report)
     # the answerer numbers its next shard after the highest on disk, so a shard removed never means one overwritten
     answerer._write_shard(shards, 0, 5, [good[0]])
-    run = answerer._Answering(tok, answerer.AnswerConfig(), shards, 0, True, (), None)
+    run = answerer._Answering(tok, answerer.AnswerConfig(), shards, 0, True, (), None, probe=lambda: 0.0)
     assert run.shard_no == 6
 
 

@@ -391,7 +391,8 @@ def decode_flops_per_token(config, context: int) -> float:
 
 
 RATE_EVERY_S = 60.0
-"""A run probes the machine's GEMM rate again at its next shard once the last probe is this old (`_gemm_rate`)."""
+"""A run probes the machine's GEMM rate again at its next shard once the last probe is this old (`_gemm_rate`). A probe
+took 0.06-0.1 s in bf16 and 0.22 s in fp32 on a 2-core AMX Xeon: under 0.4 % of the run's time at this spacing."""
 
 _best_rates: dict[tuple, tuple[float, float]] = {}
 """(dtype, hidden, intermediate) → (the best GEMM rate probed in this process, `time.monotonic` of the last probe)."""

@@ -160,6 +160,8 @@ for name in reshaped debian-reference debian-manuals wheel-documents wheel-reque
     WRITTEN="$WRITTEN${WRITTEN:+,}$SHIPPED/$name"
 done
 EXTRA_DATA="data.extra_paths=[train/shipped_data/smollm2-135m-instruct-v2/answers_derived,$WRITTEN]"
+# EAGLE-3 keeps reading the copy drills, which taught it to copy from its prompt (docs/data_scaling.md, "Copy drills")
+EAGLE3_DATA="data.extra_paths=[train/shipped_data/smollm2-135m-instruct-v2/answers_derived,$WRITTEN,train/shipped_data/copy-drills]"
 FIRST=$(newest /tmp/e3-text)
 FIRST=${FIRST:-models/smollm2_eagle3} # no text stage ran, or it left no weights
 echo "=== phase B: EAGLE-3 starts from ${FIRST:-nothing}; regenerated data: ${WRITTEN:-none}"
@@ -168,7 +170,7 @@ echo "=== phase B: EAGLE-3 starts from ${FIRST:-nothing}; regenerated data: ${WR
 JOBS=()
 if [ -n "$FIRST" ]; then
     stage eagle3-written $B python3 train/eagle3.py --config recipes/smollm2-135m/eagle3-gpu2-written.yaml \
-        drafter.init_from=$FIRST "$EXTRA_DATA" train.output_dir=/tmp/e3-written train.save_every=0 $TRAIN &
+        drafter.init_from=$FIRST "$EAGLE3_DATA" train.output_dir=/tmp/e3-written train.save_every=0 $TRAIN &
     JOBS+=($!)
 fi
 stage medusa1 $B python3 train/medusa.py --config recipes/smollm2-135m/medusa1-gpu.yaml \

@@ -8,10 +8,11 @@ The drafter's class gives the first drafts (``first_drafts(target, sequence)``; 
 first draft have it).
 
 Every drafter reads the same answers (the target's greedy text, first turns, up to ``--max-new-tokens``), so rows
-compare. ``--repeats N`` also asks each drafter to continue N passages of random token ids given twice in a row
-(the second copy is where a copying model is right and no language model can be): the row's ``repeat`` accuracy,
-with the target's own top-1 over the same positions beside it. Accuracy here is what served greedy decoding accepts at the first draft position of each round, counted at
-every answer position instead of once a round; it does not depend on timing, so this may run beside other work.
+compare. ``--repeats N`` also asks each drafter to continue N runs of random tokens (drawn from those answers) given
+twice in a row, where a copying model is right and no language model can be: the row's ``repeat`` accuracy, with
+the target's own top-1 over the same positions printed beside it. Accuracy here is what served greedy decoding
+accepts at the first draft position of each round, counted at every answer position instead of once a round; it
+does not depend on timing, so this may run beside other work.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from infer.generate import generate_vanilla
 from infer.sampling import SamplingParams
 from models.checkpoint import read_checkpoint
 from models.loader import load_target
-from models.target import TargetConfig
+from models.target import TargetConfig, TargetModel
 from models.tokenizer import load_tokenizer, stop_ids
 from train.losses import lookup_hits
 
@@ -93,7 +94,7 @@ def random_repeats(pool: list[int], n: int, length: int = 48, seed: int = 0) -> 
 
 
 @torch.no_grad()
-def target_repeat_accuracy(target, repeats: list[tuple[list[int], int]]) -> float:
+def target_repeat_accuracy(target: TargetModel, repeats: list[tuple[list[int], int]]) -> float:
     """The target's own top-1 agreement with the copy over the positions `random_repeats` scores."""
     right = total = 0
     for sequence, start in repeats:

@@ -91,7 +91,7 @@ def _opening(text: str, rng: random.Random) -> tuple[str, str] | None:
 
 def shuffled_passage(text: str, tokenizer, rng: random.Random, max_tokens: int = 160) -> str:
     """The passage's tokens (at most ``max_tokens``) in random order, decoded: text no language model can continue
-    except by copying it, made of tokens the target's answers use."""
+    except by copying it, made of ordinary tokens (ones a reduced draft vocabulary can name)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
     rng.shuffle(ids)
     return tokenizer.decode(ids).replace("\n\n", "\n").strip()

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from infer.generate import VANILLA_LOOPS, DecodeState, prefill, vanilla_steps, verify_tree
+from infer.kernels.cpu_decode_attention import serve_shared_heads
 from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.sampling import SamplingParams
 from infer.tree import chain
@@ -77,12 +78,14 @@ SERVE_REPS = 7
 
 class ServedForward:
     """How the runtime serves a target on this device, as the precision policy needs it (`models.precision_curves.
-    ServingPath`): calling it installs the CPU kernel routing (`infer.kernels.cpu_linear`), silently, and
+    ServingPath`): calling it installs the CPU kernel routing (`infer.kernels.cpu_linear`, silently) and the served
+    attention (`infer.kernels.cpu_decode_attention.serve_shared_heads`), and
     `forward_ms` times a forward of that model the way the runtime runs it (`forward_timings`)."""
 
     def __call__(self, model: nn.Module) -> None:
         if next(model.parameters()).device.type == "cpu":
             install_cpu_linear(model, lambda msg: None)
+            serve_shared_heads(model)
 
     def forward_ms(self, model: nn.Module, rows: int, prefix: int, batch: int = 1) -> Timing:
         """Milliseconds of the forward the runtime runs for ``rows`` new tokens per sequence after a ``prefix``-token

@@ -18,6 +18,7 @@ import torch
 
 from infer.forward_cost import quiet_routing
 from infer.generate import VANILLA_LOOPS, vanilla_steps
+from infer.kernels.cpu_decode_attention import serve_shared_heads
 from infer.kernels.cpu_linear import install as install_cpu_linear
 from infer.kernels.cpu_linear import uninstall as uninstall_cpu_linear
 from models.precision import choose, redecide
@@ -27,9 +28,11 @@ from models.timing import interleaved
 
 def prepare_target(target: TargetModel, log: Callable[[str], None] = print) -> None:
     """On the CPU, route the target's small-row matmuls to the layout measured faster here (infer/kernels/
-    cpu_linear.py); vanilla, HF generate and every proposer then run the same target."""
+    cpu_linear.py) and let its draft verification read grouped key / value heads in place (`serve_shared_heads`;
+    one-token forwards unchanged); vanilla, HF generate and every proposer then run the same target."""
     if target.device.type == "cpu":
         install_cpu_linear(target.model, log)
+        serve_shared_heads(target.hf_model)
 
 
 def loop_context(contexts: list[list[int]], answer_tokens: float) -> list[int]:

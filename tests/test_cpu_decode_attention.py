@@ -250,3 +250,104 @@ def test_continuous_decoding_attends_through_it_and_gives_the_same_tokens(monkey
     plain, seen = run()
     assert seen == {"sdpa"}
     assert fused == plain and len(plain) == len(prompts)
+
+
+def _draft_case(B, Hq, Hkv, q, S, D, dtype, seed=0):
+    """A verified draft's attention call: ``q`` query rows after a cache of ``S`` slots (a prefix view of a buffer
+    with spare slots), each row reading the cache and a tree's ancestors; the mask shared over heads."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, Hkv, S + q + 9, D, generator=g).to(dtype)[:, :, : S + q]
+    v = torch.randn(B, Hkv, S + q + 9, D, generator=g).to(dtype)[:, :, : S + q]
+    query = torch.randn(B, Hq, q, D, generator=g).to(dtype)
+    allowed = torch.rand(B, 1, q, S + q, generator=g) > 0.2
+    allowed[..., S:] = torch.ones(q, q, dtype=torch.bool).tril() & (torch.rand(B, 1, q, q, generator=g) > 0.3)
+    allowed[..., S:] |= torch.eye(q, dtype=torch.bool)  # every node reads itself
+    return query, k, v, allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 9, 3, 4, 300, 64), (3, 4, 2, 13, 37, 32), (2, 8, 1, 2, 5, 16)])
+@pytest.mark.parametrize("mask_kind", ["additive", "bool"])
+@pytest.mark.parametrize("route", ["decode", "verify"])
+def test_a_masked_grouped_draft_reads_the_heads_in_place_and_equals_sdpa(dtype, shape, mask_kind, route, monkeypatch):
+    B, Hq, Hkv, q, S, D = shape
+    query, k, v, allowed = _draft_case(B, Hq, Hkv, q, S, D, dtype)
+    mask = _additive(allowed, dtype) if mask_kind == "additive" else allowed
+    module = _Module(Hq // Hkv)
+    ref, _ = sdpa_attention_forward(module, query, k, v, mask, 0.0, D**-0.5)
+
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    def no_copies(*args):
+        raise AssertionError("the grouped heads were copied (repeat_kv)")
+
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", no_copies)
+    monkeypatch.setattr(cda, "sdpa_attention_forward", no_copies)
+    call = cda.decode_attention if route == "decode" else cda.verify_attention
+    out, none = call(module, query, k, v, mask, 0.0, D**-0.5)
+    assert none is None and out.shape == ref.shape == (B, q, Hq, D) and out.dtype == dtype
+    assert torch.equal(out, ref)  # the same kernel and summation order, only the copies gone
+
+
+def test_the_verify_route_leaves_every_other_call_to_hf(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("served by the shared-heads route or the kernel")
+
+    monkeypatch.setattr(cda, "shared_heads_attention", refuse)
+    monkeypatch.setattr(cda, "one_query_attention", refuse)
+    g = torch.Generator().manual_seed(2)
+    one = torch.randn(2, 6, 1, 32, generator=g)  # a decoding step, vanilla's included
+    k, v = torch.randn(2, 2, 11, 32, generator=g), torch.randn(2, 2, 11, 32, generator=g)
+    mask = _additive(torch.rand(2, 1, 1, 11, generator=g) > 0.3, torch.float32)
+    prefill = torch.randn(2, 6, 11, 32, generator=g)  # unmasked: HF's own causal path, which shares the heads
+    equal_heads = torch.randn(2, 2, 4, 32, generator=g)  # no groups: nothing to copy
+    for query, m, groups in ((one, mask, 3), (one, None, 3), (prefill, None, 3), (equal_heads, mask[..., :1, :], 1)):
+        if query.shape[2] > 1 and m is not None:
+            m = m.expand(2, 1, query.shape[2], 11)
+        module = _Module(groups)
+        ref, _ = sdpa_attention_forward(module, query, k, v, m, 0.0, 0.125)
+        assert torch.equal(cda.verify_attention(module, query, k, v, m, 0.0, 0.125)[0], ref)
+    monkeypatch.setenv(cda.ENV_VAR, "0")  # the A/B switch turns the route off as well
+    query, k, v, allowed = _draft_case(1, 4, 2, 3, 8, 16, torch.float32)
+    module = _Module(2)
+    ref, _ = sdpa_attention_forward(module, query, k, v, allowed, 0.0, 0.25)
+    assert torch.equal(cda.verify_attention(module, query, k, v, allowed, 0.0, 0.25)[0], ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_served_target_verifies_a_draft_as_hf_sdpa_does(dtype):
+    from infer.generate import DecodeState, prefill, verify_tree
+    from infer.tree import chain
+
+    prompt = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def verify(target: TargetModel) -> torch.Tensor:
+        state = DecodeState([prompt], SamplingParams(max_new_tokens=8), (), "cpu")
+        prefill(target, state)
+        tokens = torch.cat([state.roots[:, None], torch.tensor([[5, 17, 3, 88]])], 1)
+        return verify_tree(target, state, chain(tokens)).logits
+
+    hf = TargetModel(tiny_llama(layers=2, seed=5).to(dtype))
+    served = TargetModel(tiny_llama(layers=2, seed=5).to(dtype))
+    assert cda.serve_shared_heads(served.model) and served.model.config._attn_implementation == cda.VERIFY_NAME
+    assert torch.equal(verify(served), verify(hf))
+    with cda.one_pass_decode(served.model) as on:  # the answerer's kernel switches in from the served route and back
+        assert on == cda.available()
+    assert served.model.config._attn_implementation == cda.VERIFY_NAME
+
+
+def test_prepare_target_serves_the_shared_heads_on_the_cpu_only():
+    from infer.serving import prepare_target
+
+    target = TargetModel(tiny_llama(layers=1))
+    prepare_target(target, log=lambda msg: None)
+    assert target.model.config._attn_implementation == cda.VERIFY_NAME
+    eager = tiny_llama(layers=1)
+    eager.set_attn_implementation("eager")
+    assert not cda.serve_shared_heads(eager) and eager.config._attn_implementation == "eager"
+
+    class OnCuda:  # a CUDA model, simulated: only its device and config are read
+        device = torch.device("cuda")
+        config = tiny_llama(layers=1).config
+
+    assert not cda.serve_shared_heads(OnCuda())

@@ -505,13 +505,10 @@ def decode_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """HF's attention-function form: one-token queries through the kernel, masked grouped calls of several query
-    rows with the heads shared (`shared_heads_attention`), everything else through HF's SDPA function. Returns
-    [B, q, Hq, D] as HF's attention functions do."""
-    if _ours(dropout, kwargs) and _shares_heads(query, key, attention_mask):
-        return shared_heads_attention(query, key, value, attention_mask, scaling), None
+    """HF's attention-function form: one-token queries through the kernel, every other call as `verify_attention`
+    serves it. Returns [B, q, Hq, D] as HF's attention functions do."""
     if not _ours(dropout, kwargs) or not _kernel_reads(query, key, value, attention_mask):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return verify_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return one_query_attention(query, key, value, attention_mask, scale).transpose(1, 2), None
 

@@ -21,7 +21,7 @@ from tests.test_medusa import medusa_args
 from tests.test_mtp_train import mtp_args
 from train.checkpoint import _check_deepspeed_files
 from train.config import TrainConfig
-from train.distributed import fill_deepspeed_config
+from train.distributed import end_launched_process, fill_deepspeed_config
 
 # two micro-batches per step, so accumulation runs under every engine (DeepSpeed's own included)
 STEPS = ("train.max_steps=3", "train.log_every=1", "train.grad_accum=2", "report.enabled=false", "train.export=false")
@@ -157,3 +157,14 @@ def test_a_pickle_payload_in_a_deepspeed_state_is_refused_before_deepspeed_reads
     with pytest.raises(pickle.UnpicklingError):
         _check_deepspeed_files(tmp_path / "state")
     assert "payload ran" not in capsys.readouterr().out
+
+
+def test_a_launched_process_ends_without_the_interpreter_teardown(monkeypatch):
+    """A rank of a launched run leaves through os._exit(0) (a gloo worker thread releasing a finished collective
+    during interpreter finalization aborts the process); a one-process run returns."""
+    exits = []
+    monkeypatch.setattr("os._exit", exits.append)
+    end_launched_process(1)
+    assert exits == []
+    end_launched_process(2)
+    assert exits == [0]

@@ -5,8 +5,6 @@ exports, and the notes their report carries.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +15,7 @@ from accelerate import Accelerator
 from eval.report import run_report
 from train.checkpoint import save_training_state
 from train.config import TrainConfig
-from train.distributed import full_state
+from train.distributed import end_launched_process, full_state
 from train.joint import save_target_changes, served
 from train.loop import LoopResult, TargetAndData, TrainingPlan
 from train.progress import stamp_heldout
@@ -47,13 +45,11 @@ def save_drafter(
     save_training_state(accelerator, out, {"step": done.steps}, tc.keep_states)
     gathered = full_state(accelerator, plan.model)  # ZeRO-3 / FSDP: the whole drafter, on the main process
     accelerator.end_training()
-    # The last collective is behind us: tear the process group down here rather than at interpreter exit, where
-    # a launched rank has aborted under ZeRO-3 with a C++ thread still joinable (docs/decisions.md, "A known flake").
+    # The last collective is behind us: no rank reaches interpreter exit with the process group registered
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if not accelerator.is_main_process:
-        if accelerator.num_processes > 1:
-            exit_rank()
+        end_launched_process(accelerator.num_processes)
         return None
     if joint:
         save_target_changes(loaded.target, drafter, out)
@@ -68,17 +64,6 @@ def save_drafter(
         f"{(time.time() - started) / 60:.1f} min total"
     )
     return drafter
-
-
-def exit_rank() -> None:
-    """End a launched rank other than the main one once its share of the save is done, without the interpreter's
-    teardown: there a C++ thread object still joinable has aborted such ranks ("terminate called without an active
-    exception", SIGABRT) under ZeRO-3 and FSDP, after every step and save had completed, and the launcher then
-    failed the whole run (docs/decisions.md, "A known flake"). Nothing is left for such a rank to do; its output is
-    flushed first."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def report_drafter(

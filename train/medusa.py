@@ -42,7 +42,7 @@ from models.medusa_export import medusa_original_refusal, save_medusa_original, 
 from models.target import TargetConfig  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data.dataset import DataConfig  # noqa: E402
-from train.distributed import make_accelerator  # noqa: E402
+from train.distributed import end_launched_process, make_accelerator  # noqa: E402
 from train.features import final_hidden  # noqa: E402
 from train.finish import report_drafter, save_drafter  # noqa: E402
 from train.joint import JointConfig, joint_words, trained_modules  # noqa: E402
@@ -267,6 +267,7 @@ def main(argv: list[str]) -> None:
 
     # ---- report: τ and speedup in the verify runtime on held-out prompts (a joint target as it will be served)
     report_drafter(cfg, loaded, MedusaDrafter, notes, log, joint)
+    end_launched_process(accelerator.num_processes)
 
 
 if __name__ == "__main__":

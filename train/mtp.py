@@ -45,7 +45,7 @@ from models.mtp_export import mtp_engine_exports  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data.dataset import DataConfig, collate  # noqa: E402
-from train.distributed import make_accelerator  # noqa: E402
+from train.distributed import end_launched_process, make_accelerator  # noqa: E402
 from train.features import attention_masks, target_forward  # noqa: E402
 from train.finish import report_drafter, save_drafter  # noqa: E402
 from train.joint import JointConfig, joint_words, trained_modules  # noqa: E402
@@ -311,6 +311,7 @@ def main(argv: list[str]) -> None:
 
     # ---- report: τ and speedup in the verify runtime on held-out prompts (a joint target as it will be served)
     report_drafter(cfg, loaded, MTPDrafter, notes, log, joint)
+    end_launched_process(accelerator.num_processes)
 
 
 if __name__ == "__main__":

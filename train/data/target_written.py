@@ -61,6 +61,7 @@ from train.data.tasks import (
     to_language_tasks,
     write_tasks,
 )
+from train.distributed import end_launched_process
 
 CODE_TEMPLATES = (
     "Explain what the following Python function does.\n\n```python\n{code}\n```",
@@ -501,7 +502,9 @@ def main(argv: list[str] | None = None) -> dict:
     target = TargetModel.from_config(TargetConfig(name_or_path=args.target, dtype=args.dtype), "distill")
     prepare_target(target)  # the routed CPU kernels (infer/kernels/cpu_linear.py) for the batched decode
     print(target.precision.line())
-    return build(target, tokenizer, cfg, args.out)
+    written = build(target, tokenizer, cfg, args.out)
+    end_launched_process(rank_and_world()[1])  # several processes under `accelerate launch`: no interpreter teardown
+    return written
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from eval.rows import CellTallies, RowContext, Tally, rows_from_tallies
+from eval.rows import LOOKUP_ROW, CellTallies, RowContext, Tally, rows_from_tallies
 from infer.certificate import Certifier
 from infer.generate import (
     SpecConfig,
@@ -300,7 +300,7 @@ def measure_plan(plan: MeasurePlan, log: Callable[[str], None] = print) -> list[
     batch size, `time_cell`), and the rows of each (`rows_from_tallies`)."""
     candidates = list(plan.candidates)
     if plan.include_prompt_lookup:
-        candidates.insert(0, Candidate("prompt lookup", "chain 10", lambda: PromptLookupProposer(num_draft=10)))
+        candidates.insert(0, Candidate(*LOOKUP_ROW, lambda: PromptLookupProposer(num_draft=10)))
     _warm_up(plan, candidates)
     target, temperatures = plan.target, plan.temperatures
     certify_fp32 = plan.fp32_certificate and 0.0 in temperatures and target.dtype != torch.float32

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from eval.rows import LOOKUP_ROW, paired_speedup
 from models.precision import machine
 
 DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
@@ -155,12 +156,49 @@ def write_report(
         "otherwise, which would be a bug. Below fp32, every divergent answer is also decoded again on an fp32 copy of "
         "the target from its first differing token, by vanilla and by the method, where the two must be identical.",
     ]
+    lines += _resolution_lines(rows)
     unexplained = _divergence_lines(rows)
     lines += ["", "Unexplained divergences:", "", *unexplained] if unexplained else []
     for name, check in (checks or {}).items():
         if isinstance(check, dict) and "summary" in check:
             lines += ["", f"**{name.replace('_', ' ').capitalize()}**: {check['summary']}"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _resolution_lines(rows: list[dict]) -> list[str]:
+    """Over all prompts, each row's speedup and its ratio to prompt lookup's in the same (T, batch size), with the
+    95 % interval of a paired bootstrap over the generate calls (`eval.rows.paired_speedup`): whether the file
+    resolves a difference, not only its size."""
+    out = []
+    for r in rows:
+        if r["category"] != "all" or r.get("speedup_interval") is None:
+            continue
+        cell = [
+            o
+            for o in rows
+            if o["category"] == "all" and (o["temperature"], o["batch_size"]) == (r["temperature"], r["batch_size"])
+        ]
+        lookup = next((o for o in cell if (o["proposer"], o["setting"]) == LOOKUP_ROW and o is not r), None)
+        over = "–"
+        if lookup is not None and len(lookup.get("timed") or []) == len(r["timed"]):  # a reused older cell has none
+            ratio, low, high = paired_speedup(r["timed"], lookup["timed"])
+            over = f"{ratio:.2f}x [{low:.2f}, {high:.2f}]"
+        low, high = r["speedup_interval"]
+        out.append(
+            f"| {r['temperature']} | {r['batch_size']} | {r['proposer']} | {r['setting']} | "
+            f"{r['speedup']:.2f}x [{low:.2f}, {high:.2f}] | {over} |"
+        )
+    if not out:
+        return []
+    return [
+        "",
+        f"**Resolution**: over all prompts, 95 % intervals of a paired bootstrap over the generate calls (each call "
+        f"against vanilla's, or {LOOKUP_ROW[0]}'s, on the same prompts in the same loop).",
+        "",
+        f"| T | bs | proposer | setting | speedup [95 %] | over {LOOKUP_ROW[0]} [95 %] |",
+        "|---|---|---|---|---|---|",
+        *out,
+    ]
 
 
 def _short(dtype: str) -> str:

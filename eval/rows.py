@@ -33,6 +33,11 @@ class Method(Protocol):
     def lossy(self) -> bool: ...
 
 
+LOOKUP_ROW = ("prompt lookup", "chain 10")
+"""(proposer, setting) of the prompt lookup row every measurement includes (`eval.measure.measure_plan`): the
+reference the report states each row's ratio to."""
+
+
 def alpha_of(stats: list[GenerationStats]) -> list[float]:
     """Per-depth acceptance α_k aggregated over generate calls (DESIGN.md §4)."""
     return acceptance_rates(*depth_tallies(stats))
@@ -47,6 +52,22 @@ def paired_ratio_gain(
     of the prompts, both drafters' counts resampled together (a paired bootstrap). Pairing is what makes a small
     file decisive: a prompt both drafters find easy moves both sums, so only their difference spreads the
     interval."""
+    return _paired_bootstrap(ours, base, lambda a, b: a - b, draws, level, seed)
+
+
+def paired_speedup(
+    ours: list[list[float]], base: list[list[float]], draws: int = 4000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float, float]:
+    """One method's throughput over another's on the same generate calls: ``ours[i]`` and ``base[i]`` are
+    [new tokens, seconds] of call i (a row's ``timed``), so the figure is (Σ tokens / Σ seconds) over (Σ tokens /
+    Σ seconds), as a row's speedup is. Returns (ratio, low, high): the ``level`` interval of a paired bootstrap over
+    the calls (`paired_ratio_gain`), which says whether a file of this size resolves the difference."""
+    return _paired_bootstrap(ours, base, lambda a, b: a / b.clamp(min=1e-12), draws, level, seed)
+
+
+def _paired_bootstrap(ours, base, statistic, draws: int, level: float, seed: int) -> tuple[float, float, float]:
+    """``statistic(ours' ratio of sums, base's)`` on the pairs as given and its ``level`` percentile interval over
+    ``draws`` resamplings of the pairs (both sides resampled together)."""
     if len(ours) != len(base) or not ours:
         raise ValueError(f"paired counts need the same prompts on both sides: {len(ours)} against {len(base)}")
     a = torch.tensor(ours, dtype=torch.float64)
@@ -57,9 +78,9 @@ def paired_ratio_gain(
         return torch.where(s[..., 1] > 0, s[..., 0] / s[..., 1].clamp(min=1e-12), torch.zeros_like(s[..., 0]))
 
     picks = torch.randint(len(ours), (draws, len(ours)), generator=torch.Generator().manual_seed(seed))
-    spread = ratio(a[picks]) - ratio(b[picks])
+    spread = statistic(ratio(a[picks]), ratio(b[picks]))
     low, high = torch.quantile(spread, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
-    return float(ratio(a) - ratio(b)), float(low), float(high)
+    return float(statistic(ratio(a), ratio(b))), float(low), float(high)
 
 
 @dataclass
@@ -80,6 +101,9 @@ class CategoryTally:
     """Each row that differed, with its certificate (`identity`)."""
     calls: list[list[float]] = field(default_factory=list)
     """[mean prompt tokens, new tokens, rounds] per call: τ against prompt length (the leaderboard's plot)."""
+    timed: list[list[float]] = field(default_factory=list)
+    """[new tokens, seconds] per call, in the timing loop's order (the same for every method of a cell): the pairs
+    of `paired_speedup`."""
 
 
 @dataclass
@@ -102,6 +126,7 @@ class Tally:
         t = self.by_category.setdefault(category, CategoryTally())
         t.tokens += tokens
         t.seconds += seconds
+        t.timed.append([tokens, seconds])
         if stats is not None:
             t.stats.append(stats)
             if prompt_tokens is not None:
@@ -177,7 +202,7 @@ def rows_from_tallies(
     cats = sorted(cell.prompts)
     rows = []
     for cat in ["all", *cats] if len(cats) > 1 else ["all"]:
-        common, base, baseline_step = _common_fields(cell, cat, context)
+        common, base, baseline_step, base_timed = _common_fields(cell, cat, context)
         named = [(c.proposer, c.setting, cell.methods[c.key], c) for c in candidates if c.key in cell.methods]
         named += [(name, "HF generate", tally, None) for name, tally in cell.assisted.items()]
         for proposer, setting, tally, c in named:
@@ -190,6 +215,12 @@ def rows_from_tallies(
                 "new_tokens": m.tokens,
                 "tokens_per_s": m.tokens / m.seconds,
                 "speedup": (m.tokens / m.seconds) / base,
+                # the speedup's paired 95 % interval over the calls (vanilla's in the same loop); None for a method
+                # whose calls do not pair with the baseline's (HF generate's, at batch sizes above 1)
+                "speedup_interval": (
+                    list(paired_speedup(m.timed, base_timed)[1:]) if len(m.timed) == len(base_timed) else None
+                ),
+                "timed": m.timed,  # [new tokens, seconds] per call: any two rows of a cell pair (`paired_speedup`)
                 **_evidence(m, certificate, cat, cell.temperature, context.served, c),
                 "lossy": bool(c and c.lossy),
                 # HF's assisted generation reports no rounds: no τ, α or step costs for those rows
@@ -209,16 +240,17 @@ def _tokens_per_s(t: CategoryTally) -> float | None:
     return t.tokens / t.seconds if t.seconds else None
 
 
-def _common_fields(cell: CellTallies, cat: str, context: RowContext) -> tuple[dict, float, float]:
+def _common_fields(cell: CellTallies, cat: str, context: RowContext) -> tuple[dict, float, float, list[list[float]]]:
     """The fields every row of (cell, category) shares (the baselines, vanilla's costs, the precision), the
-    baseline tokens/s speedups are over and the vanilla step predictions are over."""
+    baseline tokens/s speedups are over, the vanilla step predictions are over, and the baseline's calls."""
     v, h = cell.vanilla.merged(cat), cell.hf.merged(cat)
     vanilla_tps = v.tokens / v.seconds
     hf_tps = _tokens_per_s(h)
-    baselines = {context.served: max(vanilla_tps, hf_tps or 0.0)}
+    fastest = {context.served: max((v, h), key=lambda t: _tokens_per_s(t) or 0.0)}
     if context.other_dtype is not None:
         vo, ho = cell.vanilla_other.merged(cat), cell.hf_other.merged(cat)
-        baselines[context.other_dtype] = max(vo.tokens / vo.seconds, _tokens_per_s(ho) or 0.0)
+        fastest[context.other_dtype] = max((vo, ho), key=lambda t: _tokens_per_s(t) or 0.0)
+    baselines = {dtype: _tokens_per_s(t) for dtype, t in fastest.items()}
     vanilla_dtype = max(baselines, key=baselines.get)
     base = baselines[vanilla_dtype]
     n_prompts = sum(n for c, n in cell.prompts.items() if cat in ("all", c))
@@ -260,7 +292,7 @@ def _common_fields(cell: CellTallies, cat: str, context: RowContext) -> tuple[di
             "total": 1e3 * v.seconds,
         },
     }
-    return common, base, baseline_step
+    return common, base, baseline_step, fastest[vanilla_dtype].timed
 
 
 def _round_fields(stats: list[GenerationStats], baseline_step: float) -> dict:

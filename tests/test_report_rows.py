@@ -317,3 +317,52 @@ def test_a_report_with_a_datastore_adds_its_two_rows_token_identical(tiny_recipe
             tmp_path / "report2",
             log=lambda msg: None,
         )
+
+
+def test_paired_speedup_resolves_a_steady_gain_and_not_a_coin_flip():
+    """Calls as [new tokens, seconds]. Twice as fast on every call: 2x with a point interval. Faster on half the
+    calls and slower by as much on the other half: the interval spans 1 (the file does not resolve it). A gain on
+    every call, however uneven: the interval lies above 1 and holds the point figure."""
+    from eval.rows import paired_speedup
+
+    base = [[100, 1.0 + 0.1 * i] for i in range(12)]
+    assert paired_speedup([[t, s / 2] for t, s in base], base) == pytest.approx((2.0, 2.0, 2.0))
+    flip = [[t, s * (0.7 if i % 2 else 1.3)] for i, (t, s) in enumerate(base)]
+    ratio, low, high = paired_speedup(flip, base)
+    assert low < 1.0 < high
+    uneven = [[t, s / (1.05 + 0.1 * (i % 3))] for i, (t, s) in enumerate(base)]
+    ratio, low, high = paired_speedup(uneven, base)
+    assert 1.0 < low < ratio < high < 1.3
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_speedup(base, base[:5])
+
+
+def test_a_row_states_its_speedup_interval_and_the_report_its_ratio_to_prompt_lookup(tmp_path):
+    """Each row pairs its calls with the baseline's (vanilla here, faster than HF generate); the report's resolution
+    table states every row's speedup interval and its ratio to prompt lookup's on the same calls."""
+    from eval.measure import Candidate
+    from eval.report_md import write_report
+    from eval.rows import LOOKUP_ROW, CellTallies, Tally, paired_speedup, rows_from_tallies
+    from infer.stats import GenerationStats
+
+    cell = CellTallies(temperature=0.0, batch_size=1, repeats=1, prompts={"chat": 6})
+    lookup, learned = Candidate(*LOOKUP_ROW, lambda: None), Candidate("draft", "chain 2", lambda: None)
+    cell.methods = {lookup.key: Tally(), learned.key: Tally()}
+    for i in range(6):
+        cell.vanilla.add("chat", 50, 1.0 + 0.2 * i, GenerationStats(new_tokens=50, row_forwards=50, rounds=50))
+        cell.hf.add("chat", 50, 2.0 + 0.2 * i)
+        stats = GenerationStats(new_tokens=50, row_forwards=25, rounds=25)
+        cell.methods[lookup.key].add("chat", 50, (1.0 + 0.2 * i) / (1.4 + 0.1 * (i % 2)), stats, 1, 1)
+        cell.methods[learned.key].add("chat", 50, (1.0 + 0.2 * i) / (2.0 + 0.1 * (i % 3)), stats, 1, 1)
+    rows = rows_from_tallies(cell, [lookup, learned], _context())
+    base = [[50, 1.0 + 0.2 * i] for i in range(6)]
+    for row in rows:
+        low, high = row["speedup_interval"]
+        assert low <= row["speedup"] <= high
+        assert (row["speedup"], low, high) == pytest.approx(paired_speedup(row["timed"], base))
+    assert 1.3 < rows[0]["speedup_interval"][0] and rows[1]["speedup_interval"][1] < 2.2
+    write_report(tmp_path, "test", "tiny", rows)
+    text = (tmp_path / "report.md").read_text()
+    ratio, low, high = paired_speedup(rows[1]["timed"], rows[0]["timed"])
+    assert 1.3 < low and f"| draft | chain 2 | {rows[1]['speedup']:.2f}x [" in text
+    assert f"{ratio:.2f}x [{low:.2f}, {high:.2f}] |" in text

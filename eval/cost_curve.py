@@ -63,6 +63,12 @@ family where the file lists its families in blocks) x up to 96 tokens. A 2 x 64 
 prompts read four MT-Bench questions only and overshot the measured τ of the tree it chose (2.58 against 2.23)."""
 
 
+def pilot_params(temperature: float, index: int) -> SamplingParams:
+    """A pilot call's sampling: `PILOT_TOKENS` at ``temperature``, its draws seeded by the prompt's ``index`` (every
+    setting of a sizing decodes each pilot prompt from the same seed)."""
+    return SamplingParams(temperature=temperature, max_new_tokens=PILOT_TOKENS, seed=index)
+
+
 def pilot_prompts(prompts: list[list[int]], n: int = PILOT_PROMPTS) -> list[list[int]]:
     """``n`` prompts spread evenly over ``prompts`` (every one where there are no more than ``n``). Spec-Bench files
     list their families in blocks of equal size, so the file's first prompts are one family's and the spread takes
@@ -186,16 +192,18 @@ def size_chain(
     prior: list[float] | None = None,
     prior_samples: int = 0,
     baseline: TargetModel | None = None,
+    temperature: float = 0.0,
 ) -> ChainSizing:
     """Pick a proposer's chain length on this machine: a pilot run at ``max_k`` (`PILOT_PROMPTS` prompts,
     `PILOT_TOKENS` tokens) gives per-depth acceptance counts, draft-step and bookkeeping costs; the counts are shrunk
     toward the checkpoint's held-out acceptance ``prior`` (`shrunk_alpha`); `step_costs` times t_verify(n) for
     n = 1..max_k + 1 and vanilla's step here and now, read through `fitted_costs`; the length with the best predicted
     rate wins (`best_chain_length`). ``baseline``: vanilla's target in another dtype (`infer.serving.serving_targets`);
-    the predicted speedup is then over the faster vanilla step of the two, as the measurement's is."""
+    the predicted speedup is then over the faster vanilla step of the two, as the measurement's is. ``temperature``:
+    the pilot's (`pilot_params`), so that a chain is sized for the temperature it will serve."""
     stats = [
-        generate_speculative(target, make(max_k), [p], SamplingParams(max_new_tokens=PILOT_TOKENS), eos_ids).stats
-        for p in pilot_prompts(prompts)
+        generate_speculative(target, make(max_k), [p], pilot_params(temperature, i), eos_ids).stats
+        for i, p in enumerate(pilot_prompts(prompts))
     ]
     rounds = max(1, sum(s.rounds for s in stats))
     acc, att = depth_tallies(stats, max_k)
@@ -272,13 +280,15 @@ def size_tree(
     grid: tuple[DynamicTreeConfig, ...] = TREE_GRID,
     log: Callable[[str], None] = print,
     baseline: TargetModel | None = None,
+    temperature: float = 0.0,
 ) -> TreeSizing:
     """Pick an EAGLE-2 tree (top-k, depth, total tokens) on this machine: for each setting of ``grid``, a pilot of
     `PILOT_PROMPTS` x `PILOT_TOKENS` gives τ and the draft and bookkeeping cost per round, and one verify curve over
     the grid's node counts (`step_costs`, read through `fitted_costs`) its verify time here. The settings are judged
     smallest first, each pilot prompt's predicted tokens/s paired across them (`paired_choice`): a larger tree wins
-    only where its gain clears the pilot's own spread. ``baseline``: as in `size_chain`. τ of a whole tree is pooled
-    over every round of the pilot, so it is steadier than the per-depth rates a chain is sized from."""
+    only where its gain clears the pilot's own spread. ``baseline`` and ``temperature``: as in `size_chain`. τ of a
+    whole tree is pooled over every round of the pilot, so it is steadier than the per-depth rates a chain is sized
+    from."""
     signal = make(grid[0]).signal
     sizes = tuple(sorted({1, *(g.total_tokens for g in grid)}))
     context = pilot_context(prompts)
@@ -288,8 +298,8 @@ def size_tree(
     grid = tuple(sorted(grid, key=lambda g: (g.total_tokens, g.depth, g.top_k)))
     for tree in grid:
         stats = [
-            generate_speculative(target, make(tree), [p], SamplingParams(max_new_tokens=PILOT_TOKENS), eos_ids).stats
-            for p in pilot_prompts(prompts)
+            generate_speculative(target, make(tree), [p], pilot_params(temperature, i), eos_ids).stats
+            for i, p in enumerate(pilot_prompts(prompts))
         ]
         name, verify = tree_name(tree), curve[tree.total_tokens]
         taus[name], rates[name] = tree_rate(stats, verify)

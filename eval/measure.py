@@ -227,8 +227,13 @@ class MeasurePlan:
     greedy_only: frozenset[str] = frozenset()
     """Candidate keys and HF peer names measured at T = 0 only (their T > 0 rows are left out, not estimated)."""
 
+    only_at: dict[str, frozenset[float]] = field(default_factory=dict)
+    """Candidate keys measured at these temperatures only: a setting sized for some temperatures and not others."""
+
     def runs(self, name: str, temp: float) -> bool:
         """Whether the method ``name`` (a candidate's key or an HF peer's name) is measured at ``temp``."""
+        if name in self.only_at and temp not in self.only_at[name]:
+            return False
         return temp == 0.0 or name not in self.greedy_only
 
     def __post_init__(self) -> None:

@@ -212,17 +212,20 @@ def plan_report(
     eos = stop_ids(tokenizer, target.model)
     ids = [p.ids for p in prompts]
     ready_targets(target, vanilla_target, ids, cfg.batch_sizes, cfg.max_new_tokens, log)
-    tree_sizing, make_tree = None, None
+    tree_sizing, make_tree, unsized = None, None, cfg
     if cfg.chain_from_cost_curve and cfg.tree_total_tokens:
         cfg, tree_sizing, make_tree = _sized_tree(target, drafters, cfg, ids, eos, log, vanilla_target, families)
     chains: list[SizedChain] = []
 
-    def sizer(folder: str | Path | None, proposer: str) -> ChainSizer:
-        prior, samples = heldout_acceptance(folder) if folder is not None else (None, 0)
+    def sizer(folder: str | Path | None, proposer: str, temperature: float = 0.0, into=chains) -> ChainSizer:
+        # the checkpoint's held-out acceptance is a greedy figure: a prior for greedy pilots only
+        prior, samples = heldout_acceptance(folder) if folder is not None and temperature == 0.0 else (None, 0)
 
         def size(make: Callable[[int], Proposer], longest: int) -> int:
-            sized = size_chain(target, make, ids, longest, eos, log, prior, samples, baseline=vanilla_target)
-            chains.append((proposer, make, sized))
+            sized = size_chain(
+                target, make, ids, longest, eos, log, prior, samples, baseline=vanilla_target, temperature=temperature
+            )
+            into.append((proposer, make, sized))
             return sized.k
 
         return size
@@ -241,6 +244,20 @@ def plan_report(
         log(f"report: datastore of {len(datastore):,} answer tokens from {len(cfg.datastore)} folder(s)")
     sizers = [sizer(f, n) for f, n in zip(folders, names)]
     measured = candidates(drafters, cfg, sizers, target, log, families, datastore, tree_sizing)
+    only_at: dict[str, frozenset[float]] = {}
+    if cfg.chain_from_cost_curve and any(t != 0.0 for t in cfg.temperatures):
+        # every other temperature sizes its own chains and tree: a setting chosen at one temperature and not at
+        # another runs only where it was chosen (the neighbours, the grid and the batch sweep stay T = 0's)
+        by_temperature = {0.0: measured}
+        for temp in (t for t in cfg.temperatures if t != 0.0):
+            sized_cfg, sized_tree = unsized, None
+            if unsized.tree_total_tokens:
+                sized_cfg, sized_tree, _ = _sized_tree(
+                    target, drafters, unsized, ids, eos, log, vanilla_target, families, temp
+                )
+            at_t = [sizer(f, n, temp, []) for f, n in zip(folders, names)]
+            by_temperature[temp] = candidates(drafters, sized_cfg, at_t, target, log, families, datastore, sized_tree)
+        measured, only_at = _per_temperature(by_temperature, cfg.temperatures)
     neighbours = _chain_neighbours(measured, chains) if cfg.chain_neighbours else []
     if cfg.tree_grid and tree_sizing is not None:
         neighbours += _tree_grid(measured, tree_sizing, make_tree)
@@ -260,6 +277,7 @@ def plan_report(
         drafter_dtype=_dtype_of(drafters[0]),
         batch_repeats=cfg.batch_repeats,
         greedy_only=frozenset() if cfg.draft_model_sampled else _draft_model_methods(measured, hf_assisted),
+        only_at=only_at,
     )
     return ReportPlan(method, measurement, prompt_set, measured, chains, tree_sizing, batch_sizing)
 
@@ -401,6 +419,22 @@ def report_checks(plan: ReportPlan, rows: list[dict], log: Callable[[str], None]
     return checks
 
 
+def _per_temperature(
+    by_temperature: dict[float, list[Candidate]], temperatures: Sequence[float]
+) -> tuple[list[Candidate], dict[str, frozenset[float]]]:
+    """The candidates of every temperature's sizing as one list (T = 0's first, each key once: a setting chosen at
+    several temperatures is measured at each) and the keys not measured at every temperature of the report, with
+    those they run at (`MeasurePlan.only_at`)."""
+    merged: dict[str, Candidate] = {}
+    runs_at: dict[str, set[float]] = {}
+    for temp, cands in by_temperature.items():
+        for c in cands:
+            merged.setdefault(c.key, c)
+            runs_at.setdefault(c.key, set()).add(temp)
+    every = set(temperatures)
+    return list(merged.values()), {k: frozenset(t) for k, t in runs_at.items() if not every <= t}
+
+
 def _dtype_of(module: torch.nn.Module) -> str:
     """The dtype of a drafter's weights (the first floating-point parameter)."""
     first = next((p for p in module.parameters() if p.is_floating_point()), None)
@@ -408,11 +442,19 @@ def _dtype_of(module: torch.nn.Module) -> str:
 
 
 def _sized_tree(
-    target, drafters, cfg: ReportConfig, ids, eos, log, baseline: TargetModel | None = None, families=FAMILIES
+    target,
+    drafters,
+    cfg: ReportConfig,
+    ids,
+    eos,
+    log,
+    baseline: TargetModel | None = None,
+    families=FAMILIES,
+    temperature: float = 0.0,
 ) -> tuple[ReportConfig, TreeSizing | None, Callable[[DynamicTreeConfig], Proposer] | None]:
-    """``cfg`` with the EAGLE-2 tree chosen on this machine (`size_tree`) from the first drafter whose family measures
-    the report's dynamic tree, how it was chosen, and the maker of that drafter's proposer for any setting; unchanged
-    and None when none does (their trees are their own: static, top-k)."""
+    """``cfg`` with the EAGLE-2 tree chosen on this machine (`size_tree`, its pilot at ``temperature``) from the first
+    drafter whose family measures the report's dynamic tree, how it was chosen, and the maker of that drafter's
+    proposer for any setting; unchanged and None when none does (their trees are their own: static, top-k)."""
     for drafter in drafters:
         fam = family_of(drafter, families)
 
@@ -427,7 +469,7 @@ def _sized_tree(
 
         probe = dataclasses.replace(cfg, chain_k=0)
         if any(s.setting == cfg.tree_name for s in fam.report_proposers(drafter, probe, lambda m, k: k)):
-            sized = size_tree(target, make, ids, eos, log=log, baseline=baseline)
+            sized = size_tree(target, make, ids, eos, log=log, baseline=baseline, temperature=temperature)
             tree = sized.tree
             chosen = dataclasses.replace(
                 cfg, tree_top_k=tree.top_k, tree_depth=tree.depth, tree_total_tokens=tree.total_tokens

@@ -366,3 +366,52 @@ def test_a_row_states_its_speedup_interval_and_the_report_its_ratio_to_prompt_lo
     ratio, low, high = paired_speedup(rows[1]["timed"], rows[0]["timed"])
     assert 1.3 < low and f"| draft | chain 2 | {rows[1]['speedup']:.2f}x [" in text
     assert f"{ratio:.2f}x [{low:.2f}, {high:.2f}] |" in text
+
+
+def test_each_temperature_measures_the_chains_and_tree_sized_at_it(tiny_recipe, tmp_path, monkeypatch):
+    """With temperatures 0 and 1, each is sized by its own pilots (sampled at T = 1, without the checkpoint's greedy
+    prior): a tree or chain chosen at one temperature and not the other is measured only where it was chosen, and
+    the hybrid wraps each temperature's tree. The grid is one setting per temperature, so the choices differ."""
+    import eval.report as report_module
+    from eval.cost_curve import size_chain, size_tree, tree_name
+    from infer.tree_search import DynamicTreeConfig
+
+    grids = {0.0: (DynamicTreeConfig(2, 2, 4),), 1.0: (DynamicTreeConfig(2, 3, 6),)}
+    chosen: dict[tuple[str, float], str] = {}
+
+    def tree_at(*args, temperature=0.0, **kw):
+        sized = size_tree(*args, grid=grids[temperature], temperature=temperature, **kw)
+        chosen["tree", temperature] = tree_name(sized.tree)
+        return sized
+
+    def chain_at(target, make, ids, longest, eos, log, prior, samples, baseline=None, temperature=0.0):
+        assert prior is None or temperature == 0.0  # held-out acceptance is a greedy figure
+        sized = size_chain(target, make, ids, longest, eos, log, prior, samples, baseline, temperature)
+        chosen.setdefault(("chain", temperature), f"chain {sized.k}")
+        return sized
+
+    monkeypatch.setattr(report_module, "size_tree", tree_at)
+    monkeypatch.setattr(report_module, "size_chain", chain_at)
+    monkeypatch.setattr("eval.cost_curve.PILOT_TOKENS", 8)
+    target, tokenizer, drafter = tiny_report_setup(tiny_recipe, tmp_path)
+    cfg = ReportConfig(
+        prompts_path=str(tmp_path / "questions.jsonl"),
+        max_new_tokens=8,
+        chain_k=2,
+        chain_neighbours=False,
+        tree_total_tokens=4,
+        hybrid_lookup=4,
+        hybrid_priced_lookup=5,
+        draft_model=None,
+        batch_sizes=[1],
+        temperatures=[0.0, 1.0],
+    )
+    rows = run_report(target, drafter, tokenizer, cfg, tmp_path / "report", log=lambda msg: None)
+    for temp in (0.0, 1.0):
+        mine = {r["setting"] for r in rows if r["proposer"] == "eagle3" and r["category"] == "all"
+                and r["temperature"] == temp}  # fmt: skip
+        assert mine == {chosen["chain", temp], chosen["tree", temp]}
+        hybrid = [r["setting"] for r in rows if r["proposer"] == "eagle3 + prompt lookup" and r["category"] == "all"
+                  and r["temperature"] == temp]  # fmt: skip
+        assert len(hybrid) == 1 and hybrid[0].startswith(f"{chosen['tree', temp]} + lookup 5")
+    assert chosen["tree", 0.0] != chosen["tree", 1.0]

@@ -263,9 +263,10 @@ def plan_report(
         neighbours += _tree_grid(measured, tree_sizing, make_tree)
     batch_sizing, auto = _batch_auto(cfg, measured, chains, target, vanilla_target, ids, eos, log)
     hf_assisted = _hf_peers(cfg, target, log)
+    everything = _unique(measured, neighbours + auto, only_at)
     measurement = MeasurePlan(
         target,
-        measured + neighbours + auto,
+        everything,
         prompts,
         eos,
         temperatures=tuple(cfg.temperatures),
@@ -433,6 +434,16 @@ def _per_temperature(
             runs_at.setdefault(c.key, set()).add(temp)
     every = set(temperatures)
     return list(merged.values()), {k: frozenset(t) for k, t in runs_at.items() if not every <= t}
+
+
+def _unique(measured: list[Candidate], extra: list[Candidate], only_at: dict[str, frozenset[float]]) -> list[Candidate]:
+    """``measured`` and the ``extra`` candidates (neighbours, grid, batch-aware row; measured at every temperature)
+    with each key once: an extra that some temperature's sizing also chose is measured at every temperature, its
+    restriction in ``only_at`` lifted (two candidates of one key would add to one tally)."""
+    keys = {c.key for c in measured}
+    for c in extra:
+        only_at.pop(c.key, None)
+    return measured + [c for c in extra if c.key not in keys]
 
 
 def _dtype_of(module: torch.nn.Module) -> str:

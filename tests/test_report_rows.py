@@ -415,3 +415,23 @@ def test_each_temperature_measures_the_chains_and_tree_sized_at_it(tiny_recipe, 
                   and r["temperature"] == temp]  # fmt: skip
         assert len(hybrid) == 1 and hybrid[0].startswith(f"{chosen['tree', temp]} + lookup 5")
     assert chosen["tree", 0.0] != chosen["tree", 1.0]
+
+
+def test_candidates_of_several_temperatures_merge_by_key_and_extras_run_at_every_temperature():
+    """T = 0 chose chain 3 and a tree, T = 1 chain 2 and the same tree: the tree runs at both, each chain only where
+    it was chosen; a T = 0 neighbour that is T = 1's choice (chain 2) is kept once and then runs at both."""
+    from eval.measure import Candidate, MeasuredPrompt, MeasurePlan
+    from eval.report import _per_temperature, _unique
+
+    def cand(setting: str) -> Candidate:
+        return Candidate("eagle3", setting, lambda: None)
+
+    by_temperature = {0.0: [cand("chain 3"), cand("tree")], 1.0: [cand("chain 2"), cand("tree")]}
+    measured, only_at = _per_temperature(by_temperature, [0.0, 1.0])
+    assert [c.setting for c in measured] == ["chain 3", "tree", "chain 2"]
+    assert only_at == {"eagle3 / chain 3": {0.0}, "eagle3 / chain 2": {1.0}}
+    plan = MeasurePlan(None, measured, [MeasuredPrompt([1])], (), temperatures=(0.0, 1.0), only_at=dict(only_at))
+    assert [plan.runs(c.key, t) for c in measured for t in (0.0, 1.0)] == [True, False, True, True, False, True]
+    everything = _unique(measured, [cand("chain 2"), cand("chain 4")], only_at)
+    assert [c.setting for c in everything] == ["chain 3", "tree", "chain 2", "chain 4"]
+    assert only_at == {"eagle3 / chain 3": {0.0}}

@@ -69,6 +69,10 @@ def pilot_params(temperature: float, index: int) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_new_tokens=PILOT_TOKENS, seed=index)
 
 
+def _at(temperature: float) -> str:
+    return "" if temperature == 0.0 else f" at T = {temperature:g}"
+
+
 def pilot_prompts(prompts: list[list[int]], n: int = PILOT_PROMPTS) -> list[list[int]]:
     """``n`` prompts spread evenly over ``prompts`` (every one where there are no more than ``n``). Spec-Bench files
     list their families in blocks of equal size, so the file's first prompts are one family's and the spread takes
@@ -171,7 +175,7 @@ class ChainSizing:
             f"held-out α {' '.join(f'{a:.2f}' for a in self.prior)} over {self.prior_samples} samples, weight "
             f"{min(self.prior_samples, PRIOR_WEIGHT)}; "
             if self.prior
-            else "no held-out acceptance in the checkpoint; "
+            else "no held-out prior (none in the checkpoint, or a pilot above T = 0); "
         )
         return (
             f"chain length {self.k} of 1..{max(self.rates)} ({prior}pilot attempts by depth "
@@ -216,7 +220,7 @@ def size_chain(
     curve, vanilla_step = fitted_costs(curve, _fastest_vanilla(vanilla_step, baseline, context))
     k, rates = best_chain_length(alpha, draft_step, curve, overhead)
     sizing = ChainSizing(k, alpha, att, prior, prior_samples, draft_step, overhead, curve, rates, vanilla_step)
-    log(f"cost curve: {sizing.account()}")
+    log(f"cost curve{_at(temperature)}: {sizing.account()}")
     return sizing
 
 
@@ -309,7 +313,7 @@ def size_tree(
     best = paired_choice(per_prompt)
     tree = next(g for g in grid if tree_name(g) == best)
     sizing = TreeSizing(tree, taus, rates, vanilla_step, curve, per_prompt, grid, round_s)
-    log(f"cost curve: {sizing.account()}")
+    log(f"cost curve{_at(temperature)}: {sizing.account()}")
     return sizing
 
 

@@ -21,7 +21,8 @@ from tests.test_medusa import medusa_args
 from tests.test_mtp_train import mtp_args
 from train.checkpoint import _check_deepspeed_files
 from train.config import TrainConfig
-from train.distributed import end_launched_process, fill_deepspeed_config
+from train.data.answerer import end_launched_process
+from train.distributed import fill_deepspeed_config
 
 # two micro-batches per step, so accumulation runs under every engine (DeepSpeed's own included)
 STEPS = ("train.max_steps=3", "train.log_every=1", "train.grad_accum=2", "report.enabled=false", "train.export=false")

@@ -228,6 +228,23 @@ def test_greedy_only_methods_run_at_t0_only():
     assert plan.runs("eagle3 / chain 2", 1.0)
 
 
+def sized_report_config(out: Path, **kw) -> ReportConfig:
+    """A report on `QUESTIONS` (in ``out``) that sizes its chain (up to 2) and tree (from 4 nodes) on this machine,
+    with the priced hybrid and without the draft model or the chain neighbours, at batch 1."""
+    return ReportConfig(
+        prompts_path=str(out / "questions.jsonl"),
+        max_new_tokens=8,
+        chain_k=2,
+        chain_neighbours=False,
+        tree_total_tokens=4,
+        hybrid_lookup=4,
+        hybrid_priced_lookup=5,
+        draft_model=None,
+        batch_sizes=[1],
+        **kw,
+    )
+
+
 def test_a_report_with_tree_grid_measures_every_setting_beside_its_prediction(tiny_recipe, tmp_path, monkeypatch):
     """With the tree sized on the machine and ``tree_grid`` on, the drafter runs every setting of the grid, not only
     the chosen one; the report's tree check gives each setting's pilot prediction, its prediction on each pilot
@@ -242,19 +259,7 @@ def test_a_report_with_tree_grid_measures_every_setting_beside_its_prediction(ti
     monkeypatch.setattr(report_module, "size_tree", functools.partial(size_tree, grid=grid))
     monkeypatch.setattr("eval.cost_curve.PILOT_TOKENS", 8)
     target, tokenizer, drafter = tiny_report_setup(tiny_recipe, tmp_path)
-    cfg = ReportConfig(
-        prompts_path=str(tmp_path / "questions.jsonl"),
-        max_new_tokens=8,
-        chain_k=2,
-        chain_neighbours=False,
-        tree_total_tokens=4,
-        tree_grid=True,
-        hybrid_lookup=4,
-        hybrid_priced_lookup=5,
-        draft_model=None,
-        batch_sizes=[1],
-        temperatures=[0.0],
-    )
+    cfg = sized_report_config(tmp_path, tree_grid=True, temperatures=[0.0])
     rows = run_report(target, drafter, tokenizer, cfg, tmp_path / "report", log=lambda msg: None)
     names = {tree_name(g) for g in grid}
     drafter_trees = {r["setting"] for r in rows if r["proposer"] == "eagle3" and r["category"] == "all"}
@@ -394,18 +399,7 @@ def test_each_temperature_measures_the_chains_and_tree_sized_at_it(tiny_recipe, 
     monkeypatch.setattr(report_module, "size_chain", chain_at)
     monkeypatch.setattr("eval.cost_curve.PILOT_TOKENS", 8)
     target, tokenizer, drafter = tiny_report_setup(tiny_recipe, tmp_path)
-    cfg = ReportConfig(
-        prompts_path=str(tmp_path / "questions.jsonl"),
-        max_new_tokens=8,
-        chain_k=2,
-        chain_neighbours=False,
-        tree_total_tokens=4,
-        hybrid_lookup=4,
-        hybrid_priced_lookup=5,
-        draft_model=None,
-        batch_sizes=[1],
-        temperatures=[0.0, 1.0],
-    )
+    cfg = sized_report_config(tmp_path, temperatures=[0.0, 1.0])
     rows = run_report(target, drafter, tokenizer, cfg, tmp_path / "report", log=lambda msg: None)
     for temp in (0.0, 1.0):
         mine = {r["setting"] for r in rows if r["proposer"] == "eagle3" and r["category"] == "all"

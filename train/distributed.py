@@ -6,7 +6,6 @@ settings filled from the recipe, and the optimizer's share of the trained weight
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 
 import torch
@@ -149,19 +148,3 @@ def optimizer_numel(accelerator: Accelerator, optimizer: torch.optim.Optimizer, 
     mine = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
     total = accelerator.reduce(torch.tensor([mine], device=accelerator.device), "sum")
     return {"trainable_numel": trainable, "optimizer_numel_over_ranks": int(total.item())}
-
-
-def end_launched_process(num_processes: int) -> None:
-    """End a process of a launched run (``num_processes`` > 1) once its work is done, without the interpreter's
-    teardown; a one-process run returns. The process group's gloo worker threads outlive ``destroy_process_group``
-    (the group object lives on while the engine holds it), and one of them can still be releasing a finished collective's work
-    when the interpreter finalizes: releasing it drops tensors that need the GIL, a thread taking the GIL during
-    finalization is ended with a forced unwind, and the unwind through a noexcept frame calls ``std::terminate``
-    ("terminate called without an active exception", SIGABRT), after every step and save had completed, and the
-    launcher then fails the whole run (docs/decisions.md, "A known flake, understood"). So every rank's last act is
-    ``os._exit(0)``: its output is flushed first, and every file it wrote is closed by then."""
-    if num_processes == 1:
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -37,9 +37,10 @@ from models.target import TargetConfig  # noqa: E402
 from models.ttt_attention import IMPLEMENTATIONS  # noqa: E402
 from train.checkpoint import save_training_state  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
+from train.data.answerer import end_launched_process  # noqa: E402
 from train.data.dataset import DataConfig  # noqa: E402
 from train.data.self_distill import SelfDistillConfig, load_self_distilled, write_self_distilled  # noqa: E402
-from train.distributed import end_launched_process, full_state, make_accelerator  # noqa: E402
+from train.distributed import full_state, make_accelerator  # noqa: E402
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, coverage  # noqa: E402
 from train.features import attention_masks, target_signals  # noqa: E402
 from train.finish import report_drafter, save_drafter  # noqa: E402

@@ -15,7 +15,8 @@ from accelerate import Accelerator
 from eval.report import run_report
 from train.checkpoint import save_training_state
 from train.config import TrainConfig
-from train.distributed import end_launched_process, full_state
+from train.data.answerer import end_launched_process
+from train.distributed import full_state
 from train.joint import save_target_changes, served
 from train.loop import LoopResult, TargetAndData, TrainingPlan
 from train.progress import stamp_heldout

@@ -41,8 +41,9 @@ from models.medusa import MedusaDrafter  # noqa: E402
 from models.medusa_export import medusa_original_refusal, save_medusa_original, save_medusa_vllm  # noqa: E402
 from models.target import TargetConfig  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
+from train.data.answerer import end_launched_process  # noqa: E402
 from train.data.dataset import DataConfig  # noqa: E402
-from train.distributed import end_launched_process, make_accelerator  # noqa: E402
+from train.distributed import make_accelerator  # noqa: E402
 from train.features import final_hidden  # noqa: E402
 from train.finish import report_drafter, save_drafter  # noqa: E402
 from train.joint import JointConfig, joint_words, trained_modules  # noqa: E402

@@ -44,8 +44,9 @@ from models.mtp import BLOCK_INITS, INPUT_SIGNALS, MTPConfig, MTPDrafter  # noqa
 from models.mtp_export import mtp_engine_exports  # noqa: E402
 from models.target import TargetConfig, TargetModel  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
+from train.data.answerer import end_launched_process  # noqa: E402
 from train.data.dataset import DataConfig, collate  # noqa: E402
-from train.distributed import end_launched_process, make_accelerator  # noqa: E402
+from train.distributed import make_accelerator  # noqa: E402
 from train.features import attention_masks, target_forward  # noqa: E402
 from train.finish import report_drafter, save_drafter  # noqa: E402
 from train.joint import JointConfig, joint_words, trained_modules  # noqa: E402

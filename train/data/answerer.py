@@ -28,6 +28,7 @@ import gzip
 import hashlib
 import json
 import os
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -114,6 +115,23 @@ def answer_stop_ids(tokenizer, model) -> tuple[int, ...]:
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and the number of processes (``accelerate launch`` / torchrun set RANK and WORLD_SIZE)."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def end_launched_process(num_processes: int) -> None:
+    """End a process of a launched run (``num_processes`` > 1) once its work is done, without the interpreter's
+    teardown; a one-process run returns. The process group's gloo worker threads outlive ``destroy_process_group``
+    (the group object lives on while the engine holds it), and one of them can still be releasing a finished
+    collective's work when the interpreter finalizes: releasing it drops tensors that need the GIL, a thread taking
+    the GIL during finalization is ended with a forced unwind, and the unwind through a noexcept frame calls
+    ``std::terminate`` ("terminate called without an active exception", SIGABRT), after every step and save had
+    completed; the launcher then fails the whole run (docs/decisions.md, "A known flake, understood"). So every
+    rank's last act is ``os._exit(0)``: its output is flushed first, and every file it wrote is closed by then. Here
+    beside `rank_and_world`, as the data build's launched processes end the same way."""
+    if num_processes == 1:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def read_shards(out_dir: str | Path) -> dict[str, dict]:

@@ -42,7 +42,15 @@ from infer.continuous import decode_continuous
 from infer.sampling import SamplingParams
 from infer.serving import prepare_target
 from models.target import TargetModel
-from train.data.answerer import AnswerConfig, Job, answer, drop_stale, rank_and_world, read_shards
+from train.data.answerer import (
+    AnswerConfig,
+    Job,
+    answer,
+    drop_stale,
+    end_launched_process,
+    rank_and_world,
+    read_shards,
+)
 from train.data.chat_render import end_of_turn_token_ids, render
 from train.data.files import append_jsonl, read_jsonl, write_jsonl_gz
 from train.data.tasks import (
@@ -61,7 +69,6 @@ from train.data.tasks import (
     to_language_tasks,
     write_tasks,
 )
-from train.distributed import end_launched_process
 
 CODE_TEMPLATES = (
     "Explain what the following Python function does.\n\n```python\n{code}\n```",

@@ -249,11 +249,13 @@ def plan_report(
         # every other temperature sizes its own chains and tree: a setting chosen at one temperature and not at
         # another runs only where it was chosen (the neighbours, the grid and the batch sweep stay T = 0's)
         by_temperature = {0.0: measured}
+        # a draft model measured greedily only (`draft_model_sampled` off) is neither loaded nor sized again
+        above_zero = unsized if cfg.draft_model_sampled else dataclasses.replace(unsized, draft_model=None)
         for temp in (t for t in cfg.temperatures if t != 0.0):
-            sized_cfg, sized_tree = unsized, None
-            if unsized.tree_total_tokens:
+            sized_cfg, sized_tree = above_zero, None
+            if above_zero.tree_total_tokens:
                 sized_cfg, sized_tree, _ = _sized_tree(
-                    target, drafters, unsized, ids, eos, log, vanilla_target, families, temp
+                    target, drafters, above_zero, ids, eos, log, vanilla_target, families, temp
                 )
             at_t = [sizer(f, n, temp, []) for f, n in zip(folders, names)]
             by_temperature[temp] = candidates(drafters, sized_cfg, at_t, target, log, families, datastore, sized_tree)

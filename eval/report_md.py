@@ -169,18 +169,18 @@ def _resolution_lines(rows: list[dict]) -> list[str]:
     """Over all prompts, each row's speedup and its ratio to prompt lookup's in the same (T, batch size), with the
     95 % interval of a paired bootstrap over the generate calls (`eval.rows.paired_speedup`): whether the file
     resolves a difference, not only its size."""
+    everything = [r for r in rows if r["category"] == "all"]
+    lookups = {
+        (r["temperature"], r["batch_size"]): r for r in everything if (r["proposer"], r["setting"]) == LOOKUP_ROW
+    }
     out = []
-    for r in rows:
-        if r["category"] != "all" or r.get("speedup_interval") is None:
+    for r in everything:
+        if r.get("speedup_interval") is None:
             continue
-        cell = [
-            o
-            for o in rows
-            if o["category"] == "all" and (o["temperature"], o["batch_size"]) == (r["temperature"], r["batch_size"])
-        ]
-        lookup = next((o for o in cell if (o["proposer"], o["setting"]) == LOOKUP_ROW and o is not r), None)
+        lookup = lookups.get((r["temperature"], r["batch_size"]))
         over = "–"
-        if lookup is not None and len(lookup.get("timed") or []) == len(r["timed"]):  # a reused older cell has none
+        # a cell reused from an older board has no per-call timings
+        if lookup is not None and lookup is not r and len(lookup.get("timed") or []) == len(r["timed"]):
             ratio, low, high = paired_speedup(r["timed"], lookup["timed"])
             over = f"{ratio:.2f}x [{low:.2f}, {high:.2f}]"
         low, high = r["speedup_interval"]

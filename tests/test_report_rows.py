@@ -239,9 +239,8 @@ def sized_report_config(out: Path, **kw) -> ReportConfig:
         tree_total_tokens=4,
         hybrid_lookup=4,
         hybrid_priced_lookup=5,
-        draft_model=None,
         batch_sizes=[1],
-        **kw,
+        **{"draft_model": None, **kw},
     )
 
 
@@ -376,7 +375,8 @@ def test_a_row_states_its_speedup_interval_and_the_report_its_ratio_to_prompt_lo
 def test_each_temperature_measures_the_chains_and_tree_sized_at_it(tiny_recipe, tmp_path, monkeypatch):
     """With temperatures 0 and 1, each is sized by its own pilots (sampled at T = 1, without the checkpoint's greedy
     prior): a tree or chain chosen at one temperature and not the other is measured only where it was chosen, and
-    the hybrid wraps each temperature's tree. The grid is one setting per temperature, so the choices differ."""
+    the hybrid wraps each temperature's tree. The grid is one setting per temperature, so the choices differ. The
+    draft model, measured greedily only, is sized at T = 0 alone."""
     import eval.report as report_module
     from eval.cost_curve import size_chain, size_tree, tree_name
     from infer.tree_search import DynamicTreeConfig
@@ -393,13 +393,18 @@ def test_each_temperature_measures_the_chains_and_tree_sized_at_it(tiny_recipe, 
         assert prior is None or temperature == 0.0  # held-out acceptance is a greedy figure
         sized = size_chain(target, make, ids, longest, eos, log, prior, samples, baseline, temperature)
         chosen.setdefault(("chain", temperature), f"chain {sized.k}")
+        sizings.append(temperature)
         return sized
+
+    sizings: list[float] = []
 
     monkeypatch.setattr(report_module, "size_tree", tree_at)
     monkeypatch.setattr(report_module, "size_chain", chain_at)
     monkeypatch.setattr("eval.cost_curve.PILOT_TOKENS", 8)
     target, tokenizer, drafter = tiny_report_setup(tiny_recipe, tmp_path)
-    cfg = sized_report_config(tmp_path, temperatures=[0.0, 1.0])
+    cfg = sized_report_config(
+        tmp_path, temperatures=[0.0, 1.0], draft_model="cut", draft_model_layers=1, draft_model_sampled=False
+    )
     rows = run_report(target, drafter, tokenizer, cfg, tmp_path / "report", log=lambda msg: None)
     for temp in (0.0, 1.0):
         mine = {r["setting"] for r in rows if r["proposer"] == "eagle3" and r["category"] == "all"
@@ -409,6 +414,7 @@ def test_each_temperature_measures_the_chains_and_tree_sized_at_it(tiny_recipe, 
                   and r["temperature"] == temp]  # fmt: skip
         assert len(hybrid) == 1 and hybrid[0].startswith(f"{chosen['tree', temp]} + lookup 5")
     assert chosen["tree", 0.0] != chosen["tree", 1.0]
+    assert sizings == [0.0, 0.0, 1.0]  # the drafter's chain and the draft model's at T = 0; the drafter's at T = 1
 
 
 def test_candidates_of_several_temperatures_merge_by_key_and_extras_run_at_every_temperature():

@@ -46,7 +46,7 @@ def save_drafter(
     save_training_state(accelerator, out, {"step": done.steps}, tc.keep_states)
     gathered = full_state(accelerator, plan.model)  # ZeRO-3 / FSDP: the whole drafter, on the main process
     accelerator.end_training()
-    # The last collective is behind us: no rank reaches interpreter exit with the process group registered
+    # The last collective is behind us (each launched process then ends through `end_launched_process`)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if not accelerator.is_main_process:

@@ -12,14 +12,17 @@ its YAML has, e.g. an EAGLE-3 recipe's ``drafter``) gives the config, the held-o
 (``python train/<method>.py report``), which times every row against vanilla in one quiet run. Results are appended to
 ``<out>/curve.json`` one checkpoint at a time (a checkpoint already there is not measured again), then the table
 ``<out>/curve.md`` and the plot ``<out>/curve.png`` are drawn from it. With ``--baseline NAME`` the table also gives
-each row's held-out α1 and served τ and α1 gains over that checkpoint with 95 % intervals from a paired bootstrap over
-the held-out samples or the prompts (both drafters read each held-out sample and answer each prompt alike, so a gain
-is judged against its own spread, not the file's).
+each row's held-out α1, served τ and α1 and unseen α1 gains over that checkpoint with 95 % intervals from a paired
+bootstrap over the held-out samples or the prompts (both drafters read each held-out sample and answer each prompt
+alike, so a gain is judged against its own spread, not the file's). Unseen α is the held-out evaluation run on the
+target's greedy answers to the prompt file (teacher-forced, every answer position; the answers are written into
+``curve.json`` once and every later row is scored on them).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -34,7 +37,7 @@ import torch
 from eval.prompts import chat_ids, load_prompt_file
 from eval.rows import alpha_of, paired_ratio_gain
 from infer.families import family_of, load_drafter
-from infer.generate import generate_speculative
+from infer.generate import generate_speculative, generate_vanilla
 from infer.proposer import Proposer
 from infer.sampling import SamplingParams
 from infer.stats import depth_tallies
@@ -115,6 +118,18 @@ def served(target: TargetModel, make: Callable[[], Proposer], tokenizer, prompts
     }
 
 
+def answered(target: TargetModel, tokenizer, first_turns: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy answer to every first turn (vanilla decoding, up to ``max_new_tokens``)."""
+    stops = stop_ids(tokenizer, target.model)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    return [list(generate_vanilla(target, [ids], params, stops).tokens[0]) for ids in first_turns]
+
+
+def answer_samples(first_turns: list[list[int]], answers: list[list[int]]) -> list[dict]:
+    """Each first turn and its answer as a sample a held-out evaluation reads: the loss on the answer."""
+    return [{"input_ids": ids + a, "loss_mask": [0] * len(ids) + [1] * len(a)} for ids, a in zip(first_turns, answers)]
+
+
 class Paired(NamedTuple):
     """A figure `gains` compares: a ratio of sums over units two rows share (held-out samples, prompts)."""
 
@@ -135,8 +150,14 @@ GAINS = {
     "served α1": Paired(
         lambda r: r["served"].get("per_prompt"), itemgetter("accepted1"), itemgetter("attempted1"), itemgetter("id")
     ),
+    "unseen α1": Paired(lambda r: r.get("unseen_per_sample"), lambda s: s[0][0], lambda s: s[0][1]),
 }
-"""The figures `gains` compares."""
+"""The figures `gains` compares. Served α1 is counted once a round, at the round's first draft, so which answer
+positions it scores depends on the drafter: one that accepts further moves its rounds' starts to the positions after
+its misses, which are harder. Unseen α1 scores the first draft at every position of the target's greedy answers to
+the same prompts (teacher-forced, as held-out α1 is on the held-out set), the same positions for every drafter. Both
+teacher-forced figures count the positions whose target token the draft vocabulary holds (`train.losses.ttt_targets`),
+so they pair drafters of one vocabulary; served α1 counts every round."""
 
 
 def counted(row: dict) -> bool:
@@ -221,7 +242,7 @@ def table(rows: list[dict], meta: dict, baseline: str | None = None) -> str:
     held = max(len(r["heldout_alpha"]) for r in rows)
     depth = max(len(r["served"]["alpha"]) for r in rows)
     head = ["checkpoint", "tokens read", "loss tokens", *(f"held-out α{k + 1}" for k in range(held))]
-    head += ["served τ", *(f"served α{k + 1}" for k in range(depth)), "answers at EOS"]
+    head += ["served τ", *(f"served α{k + 1}" for k in range(depth)), "unseen α1", "answers at EOS"]
     base = next((r for r in rows if r["name"] == baseline), None)
     if baseline is not None and base is None:
         raise SystemExit(f"--baseline {baseline}: no checkpoint of that name in the curve")
@@ -234,6 +255,7 @@ def table(rows: list[dict], meta: dict, baseline: str | None = None) -> str:
         cells += [f"{a:.2f}" for a in r["heldout_alpha"]] + [""] * (held - len(r["heldout_alpha"]))
         cells += [f"{r['served']['tau']:.2f}"] + [f"{a:.2f}" for a in r["served"]["alpha"]]
         cells += [""] * (depth - len(r["served"]["alpha"]))
+        cells += [f"{r['unseen_alpha'][0]:.2f}" if r.get("unseen_alpha") else "—"]
         cells += [f"{r['served']['stopped_at_eos']}/{meta['prompts']}"]
         if base is not None:
             found = gains(r, base) if r is not base else dict.fromkeys(GAINS)
@@ -271,7 +293,24 @@ def main(argv: list[str]) -> None:
     prompts = load_prompt_file(args.prompts)
     meta = {"prompts": len(prompts), "file": args.prompts, "chain": args.chain, "max_new_tokens": args.max_new_tokens}
     store = out / "curve.json"
-    rows = json.loads(store.read_text())["rows"] if store.exists() else []
+    stored = json.loads(store.read_text()) if store.exists() else {}
+    rows = stored.get("rows", [])
+    # the greedy answers every row's unseen α is scored on, written once: rows measured later (on another day, even
+    # another CPU, whose bf16 answers could differ) are scored on the same text, so they pair
+    before = stored.get("meta", {})
+    answers = before.get("answers")
+    if answers is not None and any(before.get(k) != meta[k] for k in ("prompts", "file", "max_new_tokens")):
+        raise SystemExit(
+            f"{store} holds answers to {before.get('prompts')} prompts of {before.get('file')} at "
+            f"{before.get('max_new_tokens')} tokens: measure {args.prompts} at {args.max_new_tokens} into another --out"
+        )
+    first_turns = [chat_ids(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in prompts]
+    if answers is None:
+        with torch.inference_mode():
+            answers = answered(target, tokenizer, first_turns, args.max_new_tokens)
+    meta["answers"] = answers
+    unseen = answer_samples(first_turns, answers)
+    unseen_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_samples=len(unseen)))
     # a row stored before its counts were kept is measured again where its checkpoint is here, so it can be paired
     done = {r["name"] for r in rows if counted(r)}
     checkpoints = sorted(run.glob("snapshots/step-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -302,13 +341,17 @@ def main(argv: list[str]) -> None:
         row["heldout_alpha"], row["heldout_per_sample"] = entry.heldout_acceptance(
             accelerator, target, drafter, eval_set, cfg, pad_id
         )
+        row["unseen_alpha"], row["unseen_per_sample"] = entry.heldout_acceptance(
+            accelerator, target, drafter, unseen, unseen_cfg, pad_id
+        )
         with torch.inference_mode():
             chain = partial(entry.family.chain, drafter, args.chain)
             row["served"] = served(target, chain, tokenizer, prompts, args.max_new_tokens)
         rows = [r for r in rows if r["name"] != name] + [row]
         store.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         log(
-            f"{name}: τ {row['served']['tau']:.2f}, held-out α {[round(a, 2) for a in row['heldout_alpha']]} "
+            f"{name}: τ {row['served']['tau']:.2f}, held-out α {[round(a, 2) for a in row['heldout_alpha']]}, "
+            f"unseen α {[round(a, 2) for a in row['unseen_alpha']]} "
             f"({time.time() - t0:.0f} s)"
         )
     text = table(rows, meta, args.baseline)

@@ -54,6 +54,8 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     measure(curve, *small)
 
     measured = json.loads((curve / "curve.json").read_text())["rows"]
+    answers = json.loads((curve / "curve.json").read_text())["meta"]["answers"]
+    assert len(answers) == 2 and all(0 < len(a) <= 8 for a in answers)
     # the finished run is its last row, once, though its last step has a snapshot too
     assert [r["name"] for r in measured] == ["step-2", "step-4", "step-6"]
     assert measured[-1]["path"] == str(out)
@@ -75,6 +77,14 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
         assert len(held) == 4 and all(len(s) == 3 for s in held)
         for k, a in enumerate(r["heldout_alpha"]):
             assert sum(s[k][0] for s in held) / max(1, sum(s[k][1] for s in held)) == pytest.approx(a)
+        # the same evaluation on the target's greedy answers to the two prompts: one sample per prompt, scored on
+        # its answer tokens only
+        unseen = r["unseen_per_sample"]
+        assert len(unseen) == 2 and len(r["unseen_alpha"]) == 3
+        for s, answer in zip(unseen, answers):
+            assert 0 < s[0][1] <= len(answer) and 0 <= s[0][0] <= s[0][1]
+        for k, a in enumerate(r["unseen_alpha"]):
+            assert sum(s[k][0] for s in unseen) / max(1, sum(s[k][1] for s in unseen)) == pytest.approx(a)
     header, _, *lines = (curve / "curve.md").read_text().splitlines()
     assert all(line.count("|") == header.count("|") for line in lines) and len(lines) == 3
     assert "held-out α3" in header and "served α2" in header and "served α3" not in header
@@ -90,6 +100,7 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     stored = json.loads((curve / "curve.json").read_text())
     del stored["rows"][0]["served"]["per_prompt"]
     del stored["rows"][1]["heldout_per_sample"]
+    del stored["rows"][2]["unseen_per_sample"]
     gone = {**stored["rows"][1], "name": "deleted-run", "path": str(tmp_path / "nowhere")}
     stored["rows"].append(gone)
     (curve / "curve.json").write_text(json.dumps(stored))
@@ -98,11 +109,17 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     assert sorted(r["name"] for r in again) == ["deleted-run", "step-2", "step-4", "step-6"]
     assert all(data_scaling.counted(r) for r in again if r["name"] != "deleted-run")
     assert next(r for r in again if r["name"] == "deleted-run") == gone
+    # the answers are the stored ones, not decoded again: every row, old or new, is scored on the same text
+    assert json.loads((curve / "curve.json").read_text())["meta"]["answers"] == answers
     header, _, *lines = (curve / "curve.md").read_text().splitlines()
     assert "held-out α1 over step-2 (95 %)" in header and "served τ over step-2 (95 %)" in header
+    assert "unseen α1 over step-2 (95 %)" in header
     assert all(line.count("|") == header.count("|") for line in lines)
     with pytest.raises(SystemExit, match="--baseline nothing: no checkpoint of that name"):  # refused before measuring
         measure(tmp_path / "unmeasured", *small, "--baseline", "nothing")
+    # the stored answers are to this file at 8 tokens: longer answers would not pair with them, so they are refused
+    with pytest.raises(SystemExit, match="holds answers to 2 prompts of .* at 8 tokens: measure .* at 6 into another"):
+        measure(curve, "--max-new-tokens", "6", "--chain", "2", "--heldout-samples", "4")
     assert not (tmp_path / "unmeasured" / "curve.json").exists()
 
     # a run that trained on other samples than the recipe's data gives (self-distilled ones, another file) is refused:
@@ -120,7 +137,8 @@ def _row(
     name: str, counts: list[tuple[int, int, int, int]], held: list[tuple[int, int]], tokens: int | None = None
 ) -> dict:
     """A measured row with per-prompt (tokens, forwards, accepted1, attempted1) of prompts p0, p1, ... and per
-    held-out sample (hits, positions) at the first draft position."""
+    held-out sample (hits, positions) at the first draft position; its unseen α1 counts are twice each prompt's
+    served first-draft counts (every answer position scored, where served α1 scores a round's first)."""
     keys = ("tokens", "forwards", "accepted1", "attempted1")
     per_prompt = [{"id": f"p{i}", **dict(zip(keys, c))} for i, c in enumerate(counts)]
     tau = sum(c[0] for c in counts) / sum(c[1] for c in counts)
@@ -133,6 +151,8 @@ def _row(
         "heldout_alpha": [alpha],
         "heldout_per_sample": per_sample,
         "served": served,
+        "unseen_alpha": [sum(c[2] for c in counts) / sum(c[3] for c in counts)],
+        "unseen_per_sample": [[[2 * c[2], 2 * c[3]]] for c in counts],
     }
 
 
@@ -150,11 +170,15 @@ def test_the_table_gives_each_rows_gains_over_the_baseline_with_their_paired_int
     del unknown["served"]["per_prompt"]  # its held-out samples are fewer than the baseline's: not paired either
     header, _, *lines = data_scaling.table([base, unknown, better], {"prompts": 4}, baseline="shipped").splitlines()
     assert header.endswith(
-        "| held-out α1 over shipped (95 %) | served τ over shipped (95 %) | served α1 over shipped (95 %) |"
+        "| held-out α1 over shipped (95 %) | served τ over shipped (95 %) | served α1 over shipped (95 %) "
+        "| unseen α1 over shipped (95 %) |"
     )
-    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[-3:] for line in lines}
-    assert cells["step-10"] == ["+0.100 [+0.100, +0.100]", "+0.200 [+0.200, +0.200]", "+0.100 [+0.100, +0.100] |"]
-    assert cells["step-5"] == ["—", "—", "— |"] and cells["shipped"] == ["—", "—", "— |"]
+    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[-4:] for line in lines}
+    exact = ["+0.100 [+0.100, +0.100]", "+0.200 [+0.200, +0.200]", "+0.100 [+0.100, +0.100]"]
+    assert cells["step-10"] == [*exact, "+0.100 [+0.100, +0.100] |"]
+    # step-5's single prompt does not pair with the baseline's four, for unseen α1 as for the served figures
+    assert cells["step-5"] == ["—", "—", "—", "— |"] and cells["shipped"] == ["—", "—", "—", "— |"]
+    assert lines[0].split(" | ")[-6] == "0.45"  # the baseline's unseen α1 column: 18 of 40
     with pytest.raises(SystemExit, match="--baseline nothing: no checkpoint of that name"):
         data_scaling.table([base, better], {"prompts": 4}, baseline="nothing")
     assert data_scaling._signed(-0.0001) == "+0.000" and data_scaling._signed(-0.021) == "-0.021"

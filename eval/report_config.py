@@ -103,6 +103,10 @@ class ReportConfig(*FAMILY_OPTIONS):
     hybrid_alone_match: int = 3
     """The hybrid's steps where every row's lookup match is at least this many tokens verify the lookup chain alone,
     without running the drafter (infer/hybrid.py; 0: never)."""
+    hybrid_tree: list[int] = field(default_factory=list)
+    """[top_k, depth, total_tokens]: the EAGLE-2 tree the priced hybrid wraps instead of the tree sized for the tree
+    alone (priced on the sized tree's costs); empty: the sized tree. The lookup chain gives the hybrid depth, so a
+    shallower tree can serve it as well for a drafter forward less (docs/decisions.md)."""
     datastore: list[str] = field(default_factory=list)
     """Folders of the target's own conversations (``messages`` shards, e.g. the target-written training tiers) whose
     answers make a datastore (infer/datastore.py): where set, two more rows, prompt lookup drafting from the
@@ -158,6 +162,10 @@ class ReportConfig(*FAMILY_OPTIONS):
             raise ValueError(f"datastore_match must be in 1..{DATASTORE_MAX_NGRAM} and datastore_draft >= 1")
         if self.hybrid_lookup < 0 or self.hybrid_priced_lookup < 1 or not 0 <= self.hybrid_alone_match <= 3:
             raise ValueError("hybrid_lookup must be >= 0, hybrid_priced_lookup >= 1 and hybrid_alone_match in 0..3")
+        if self.hybrid_tree:
+            if len(self.hybrid_tree) != 3:
+                raise ValueError(f"hybrid_tree is [top_k, depth, total_tokens], got {self.hybrid_tree}")
+            DynamicTreeConfig(*self.hybrid_tree)  # its own checks
         if any(b < 1 for b in self.batch_sizes) or any(t < 0 for t in self.temperatures):
             raise ValueError("batch sizes must be >= 1 and temperatures >= 0")
         for options in FAMILY_OPTIONS:

@@ -435,3 +435,24 @@ def test_candidates_of_several_temperatures_merge_by_key_and_extras_run_at_every
     everything = _unique(measured, [cand("chain 2"), cand("chain 4")], only_at)
     assert [c.setting for c in everything] == ["chain 3", "tree", "chain 2", "chain 4"]
     assert only_at == {"eagle3 / chain 3": {0.0}}
+
+
+def test_the_priced_hybrid_wraps_the_tree_it_is_given(tiny_recipe, tmp_path, monkeypatch):
+    """``report.hybrid_tree``: the priced hybrid wraps that tree instead of the sized one (the tree row keeps the sized
+    one) and stays the target's greedy output; a tree that is not [top_k, depth, total_tokens] is refused."""
+    from eval.report_config import ReportConfig
+
+    monkeypatch.setattr("eval.cost_curve.PILOT_TOKENS", 8)
+    target, tokenizer, drafter = tiny_report_setup(tiny_recipe, tmp_path)
+    cfg = sized_report_config(tmp_path, temperatures=[0.0], hybrid_tree=[2, 1, 3])
+    rows = run_report(target, drafter, tokenizer, cfg, tmp_path / "report", log=lambda msg: None)
+    sized = json.loads((tmp_path / "report" / "report.json").read_text())["tree_sizing"]["setting"]
+    alone = {r["setting"] for r in rows if r["proposer"] == "eagle3" and r["category"] == "all"}
+    hybrid = [r for r in rows if r["proposer"] == "eagle3 + prompt lookup" and r["category"] == "all"]
+    assert sized in alone and sized != "EAGLE-2 k2 d1 n3"
+    assert [r["setting"] for r in hybrid] == ["EAGLE-2 k2 d1 n3 + lookup 5, alone at 3-gram matches, priced"]
+    assert hybrid[0]["greedy_identical"] == 1.0
+    with pytest.raises(ValueError, match=r"hybrid_tree is \[top_k, depth, total_tokens\], got \[2, 3\]"):
+        ReportConfig(hybrid_tree=[2, 3])
+    with pytest.raises(ValueError, match="need top_k >= 1"):
+        ReportConfig(hybrid_tree=[2, 0, 3])

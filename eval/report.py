@@ -68,8 +68,8 @@ def candidates(
     length on this machine (the last one sizes the draft model's chain; None, or chain_from_cost_curve off: the
     longest). ``target``: where the undistilled draft-model cut comes from. ``datastore``: prompt lookup and the
     hybrid drafting from it too, as rows of their own beside the plain ones. ``tree_sizing``: where the hybrid wraps
-    the tree it sized, the hybrid is priced on its costs (``cfg.hybrid_priced``, `infer.pricing`), wrapping ``cfg.hybrid_tree`` where
-    one is given."""
+    the tree it sized, the hybrid is priced on its costs (``cfg.hybrid_priced``, `infer.pricing`). The hybrid wraps
+    ``cfg.hybrid_tree`` where one is given."""
 
     def longest(make: Callable[[int], Proposer], k: int) -> int:
         return k
@@ -88,10 +88,12 @@ def candidates(
             alone = cfg.hybrid_alone_match
             priced = cfg.hybrid_priced and tree_sizing is not None and learned.setting == tree_name(tree_sizing.tree)
             price = tree_sizing.price() if priced else None
-            if priced and cfg.hybrid_tree:
+            if cfg.hybrid_tree:
                 k, depth, total = cfg.hybrid_tree
                 own = dataclasses.replace(cfg, chain_k=0, tree_top_k=k, tree_depth=depth, tree_total_tokens=total)
                 learned = fam.report_proposers(drafter, own, longest)[-1]
+                if learned.setting != own.tree_name:
+                    raise ValueError(f"report.hybrid_tree is an EAGLE-2 tree: {fam.method} drafts none")
             n = cfg.hybrid_priced_lookup if priced else cfg.hybrid_lookup
             # one tally per row, shared by its calls: later answers are priced from what earlier ones taught it
             tally, tally_ds = ChainAcceptance(), ChainAcceptance()

@@ -104,8 +104,8 @@ class ReportConfig(*FAMILY_OPTIONS):
     """The hybrid's steps where every row's lookup match is at least this many tokens verify the lookup chain alone,
     without running the drafter (infer/hybrid.py; 0: never)."""
     hybrid_tree: list[int] = field(default_factory=list)
-    """[top_k, depth, total_tokens]: the EAGLE-2 tree the priced hybrid wraps instead of the tree sized for the tree
-    alone (priced on the sized tree's costs); empty: the sized tree. The lookup chain gives the hybrid depth, so a
+    """[top_k, depth, total_tokens]: the EAGLE-2 tree the hybrid wraps instead of the tree sized for the tree alone
+    (priced, on the sized tree's costs; a family without EAGLE-2 trees is refused); empty: the sized tree. The lookup chain gives the hybrid depth, so a
     shallower tree can serve it as well for a drafter forward less (docs/decisions.md)."""
     datastore: list[str] = field(default_factory=list)
     """Folders of the target's own conversations (``messages`` shards, e.g. the target-written training tiers) whose

@@ -85,14 +85,21 @@ def run_world(run: Path, cfg: Any, train_set) -> int:
     return world
 
 
-def served(target: TargetModel, make: Callable[[], Proposer], tokenizer, prompts, max_new_tokens: int) -> dict:
-    """Greedy decoding of every prompt's first turn with a fresh proposer from ``make`` each (the family's chain):
-    τ (bonus included) and α per position, and each prompt's counts (for `gains` against another checkpoint)."""
+def served(
+    target: TargetModel,
+    make: Callable[[], Proposer],
+    tokenizer,
+    prompts,
+    first_turns: list[list[int]],
+    max_new_tokens: int,
+) -> dict:
+    """Greedy decoding of every prompt's first turn (``first_turns``, its chat ids) with a fresh proposer from
+    ``make`` each (the family's chain): τ (bonus included) and α per position, and each prompt's counts (for `gains`
+    against another checkpoint)."""
     stops = stop_ids(tokenizer, target.model)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     stats, by_category, per_prompt = [], {}, []
-    for p in prompts:
-        ids = chat_ids(tokenizer, [{"role": "user", "content": p.turns[0]}])
+    for p, ids in zip(prompts, first_turns):
         out = generate_speculative(target, make(), [ids], params, stops)
         stats.append(out.stats)
         by_category.setdefault(p.category, []).append(out.stats)
@@ -346,7 +353,7 @@ def main(argv: list[str]) -> None:
         )
         with torch.inference_mode():
             chain = partial(entry.family.chain, drafter, args.chain)
-            row["served"] = served(target, chain, tokenizer, prompts, args.max_new_tokens)
+            row["served"] = served(target, chain, tokenizer, prompts, first_turns, args.max_new_tokens)
         rows = [r for r in rows if r["name"] != name] + [row]
         store.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         log(

@@ -249,6 +249,12 @@ def test_compare_settings_keeps_the_first_settings_of_compared_drafters_only(tin
     assert rows(compare_settings=0) == everything
     with pytest.raises(ValueError, match="compare_settings"):
         ReportConfig(compare_settings=-1)
+    # ``hybrid_tree``: the hybrid wraps that tree, priced or not; a family that drafts no EAGLE-2 tree is refused
+    assert ("eagle3 + prompt lookup", "EAGLE-2 k2 d1 n3 + lookup 10, alone at 3-gram matches") in rows(
+        hybrid_tree=[2, 1, 3]
+    )
+    with pytest.raises(ValueError, match="report.hybrid_tree is an EAGLE-2 tree: medusa drafts none"):
+        candidates(drafters[1:], ReportConfig(**base, hybrid_tree=[2, 1, 3]), None, tiny_target)
 
 
 def test_a_family_that_declares_its_draft_step_timings_is_timed_by_path(tiny_target):

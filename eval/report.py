@@ -69,7 +69,7 @@ def candidates(
     longest). ``target``: where the undistilled draft-model cut comes from. ``datastore``: prompt lookup and the
     hybrid drafting from it too, as rows of their own beside the plain ones. ``tree_sizing``: where the hybrid wraps
     the tree it sized, the hybrid is priced on its costs (``cfg.hybrid_priced``, `infer.pricing`). The hybrid wraps
-    ``cfg.hybrid_tree`` where one is given."""
+    ``cfg.hybrid_tree`` where one is given, else the sized tree ``cfg.hybrid_shallower`` levels shallower."""
 
     def longest(make: Callable[[int], Proposer], k: int) -> int:
         return k
@@ -88,12 +88,18 @@ def candidates(
             alone = cfg.hybrid_alone_match
             priced = cfg.hybrid_priced and tree_sizing is not None and learned.setting == tree_name(tree_sizing.tree)
             price = tree_sizing.price() if priced else None
+            own = None
             if cfg.hybrid_tree:
                 k, depth, total = cfg.hybrid_tree
                 own = dataclasses.replace(cfg, chain_k=0, tree_top_k=k, tree_depth=depth, tree_total_tokens=total)
+            elif cfg.hybrid_shallower and learned.setting == cfg.tree_name and cfg.tree_depth > 2:
+                own = dataclasses.replace(cfg, chain_k=0, tree_depth=max(2, cfg.tree_depth - cfg.hybrid_shallower))
+            if own is not None:
                 learned = fam.report_proposers(drafter, own, longest)[-1]
                 if learned.setting != own.tree_name:
                     raise ValueError(f"report.hybrid_tree is an EAGLE-2 tree: {fam.method} drafts none")
+                if price is not None:  # a round drafts one forward per level (the sync, then an expand per level)
+                    price = dataclasses.replace(price, draft_ms=price.draft_ms * own.tree_depth / cfg.tree_depth)
             n = cfg.hybrid_priced_lookup if priced else cfg.hybrid_lookup
             # one tally per row, shared by its calls: later answers are priced from what earlier ones taught it
             tally, tally_ds = ChainAcceptance(), ChainAcceptance()

@@ -105,8 +105,12 @@ class ReportConfig(*FAMILY_OPTIONS):
     without running the drafter (infer/hybrid.py; 0: never)."""
     hybrid_tree: list[int] = field(default_factory=list)
     """[top_k, depth, total_tokens]: the EAGLE-2 tree the hybrid wraps instead of the tree sized for the tree alone
-    (priced, on the sized tree's costs; a family without EAGLE-2 trees is refused); empty: the sized tree. The lookup chain gives the hybrid depth, so a
-    shallower tree can serve it as well for a drafter forward less (docs/decisions.md)."""
+    (priced, on the sized tree's costs, its drafting scaled by depth; a family without EAGLE-2 trees is refused);
+    empty: the sized tree, ``hybrid_shallower`` levels shallower."""
+    hybrid_shallower: int = 1
+    """Where ``hybrid_tree`` is empty, the hybrid wraps the sized tree this many levels shallower (its depth at least
+    2; 0: the sized tree as it is). The lookup chain gives the hybrid depth, so a shallower tree serves it as well for
+    a drafter forward less a round (docs/decisions.md, "The hybrid's tree one level shallower by default")."""
     datastore: list[str] = field(default_factory=list)
     """Folders of the target's own conversations (``messages`` shards, e.g. the target-written training tiers) whose
     answers make a datastore (infer/datastore.py): where set, two more rows, prompt lookup drafting from the
@@ -162,6 +166,8 @@ class ReportConfig(*FAMILY_OPTIONS):
             raise ValueError(f"datastore_match must be in 1..{DATASTORE_MAX_NGRAM} and datastore_draft >= 1")
         if self.hybrid_lookup < 0 or self.hybrid_priced_lookup < 1 or not 0 <= self.hybrid_alone_match <= 3:
             raise ValueError("hybrid_lookup must be >= 0, hybrid_priced_lookup >= 1 and hybrid_alone_match in 0..3")
+        if self.hybrid_shallower < 0:
+            raise ValueError(f"hybrid_shallower must be >= 0, got {self.hybrid_shallower}")
         if self.hybrid_tree:
             if len(self.hybrid_tree) != 3:
                 raise ValueError(f"hybrid_tree is [top_k, depth, total_tokens], got {self.hybrid_tree}")

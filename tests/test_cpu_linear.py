@@ -144,6 +144,31 @@ def test_install_routes_bf16_layers(monkeypatch):
     cpu_linear.uninstall(model)
 
 
+def test_install_builds_the_weight_copies_its_routes_read_before_the_first_call(monkeypatch):
+    """The packed weight and Wᵀ exist once `install` returns (a proposer's drafter snapshot is routed outside the
+    timed decode and would otherwise pack inside it), each only where a bucket routes to it, and are not rebuilt by
+    the first call."""
+    monkeypatch.setattr(cpu_linear, "MEASURED", {})
+    fp32_packs = cpu_linear.packs(torch.float32)
+    by_shape = {(16, 8): ("packed@2",) * len(cpu_linear.BUCKETS), (8, 16): ("linear", "x_wt", *("linear",) * 6)}
+    if not fp32_packs:  # a torch without oneDNN routes to Wᵀ only
+        by_shape[(16, 8)] = ("linear",) * len(cpu_linear.BUCKETS)
+    monkeypatch.setattr(cpu_linear, "choose_layouts", lambda w, reps=3: by_shape[tuple(w.shape)])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    monkeypatch.setitem(by_shape, (4, 8), ("linear",) * len(cpu_linear.BUCKETS))
+    cpu_linear.install(model, log=lambda m: None)
+    built = [set(m.__dict__.get("_drafters_weights", {})) for m in model]
+    assert built == [{"packed"} if fp32_packs else set(), {"wt"}, set()]
+    copies = [dict(m.__dict__.get("_drafters_weights", {})) for m in model]
+    with torch.no_grad():
+        y = model(torch.randn(2, 8))
+    assert y.shape == (2, 4)
+    for m, before in zip(model, copies):
+        after = m.__dict__.get("_drafters_weights", {})
+        assert all(after[name][1] is copy_[1] for name, copy_ in before.items())
+    cpu_linear.uninstall(model)
+
+
 def test_a_cpu_that_cannot_pack_bf16_times_the_other_layouts_only(monkeypatch):
     """On an AVX2-only CPU oneDNN's bf16 reorder raises: `packs` says no there, and the bf16 race leaves the packed
     layout out (its pack is never called) while fp32 keeps it."""

@@ -257,6 +257,35 @@ def test_compare_settings_keeps_the_first_settings_of_compared_drafters_only(tin
         candidates(drafters[1:], ReportConfig(**base, hybrid_tree=[2, 1, 3]), None, tiny_target)
 
 
+def test_the_hybrid_wraps_the_sized_tree_a_level_shallower_and_prices_its_drafting_by_depth(tiny_target):
+    """By default the hybrid's tree is the sized one ``hybrid_shallower`` levels shallower, never below depth 2; the
+    price it is given (the sized tree's pilot) drafts one forward per level, so its drafting cost scales by depth."""
+    from eval.cost_curve import TreeSizing
+    from infer.tree_search import DynamicTreeConfig
+
+    drafter = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=16)
+    sized = DynamicTreeConfig(top_k=2, depth=3, total_tokens=4)
+    name = "EAGLE-2 k2 d3 n4"
+    sizing = TreeSizing(sized, {name: 2.0}, {name: 1.0}, 0.02, {1: 0.02, 4: 0.024}, {name: [1.0]}, (sized,),
+                        {name: (0.006, 0.001)})  # fmt: skip
+    base = dict(chain_k=0, tree_total_tokens=4, tree_top_k=2, tree_depth=3, draft_model=None)
+
+    def hybrid(**over):
+        cfg = ReportConfig(**{**base, **over})
+        (c,) = [c for c in candidates([drafter], cfg, None, tiny_target, tree_sizing=sizing) if "lookup" in c.proposer]
+        return c.setting.split(" + ")[0], c.make().price
+
+    setting, price = hybrid()
+    assert setting == "EAGLE-2 k2 d2 n4" and price.draft_ms == pytest.approx(6.0 * 2 / 3)
+    assert price.verify_ms == {1: 20.0, 4: 24.0} and price.overhead_ms == pytest.approx(1.0)
+    setting, price = hybrid(hybrid_shallower=0)
+    assert setting == name and price.draft_ms == pytest.approx(6.0)
+    assert hybrid(hybrid_shallower=5)[0] == "EAGLE-2 k2 d2 n4"
+    assert hybrid(tree_depth=2, hybrid_shallower=1)[0] == "EAGLE-2 k2 d2 n4"
+    with pytest.raises(ValueError, match="hybrid_shallower must be >= 0"):
+        ReportConfig(hybrid_shallower=-1)
+
+
 def test_a_family_that_declares_its_draft_step_timings_is_timed_by_path(tiny_target):
     """`python -m eval.cost_curve_cli --drafter` prints the family's draft step by code path without naming the family:
     EAGLE-3 declares its module and fused steps; a family without the declaration is timed by none."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -268,10 +269,12 @@ def test_a_report_with_tree_grid_measures_every_setting_beside_its_prediction(ti
     assert set(check["predicted_speedup"]) == names
     # 4 prompts (the two-turn question is two), fewer than the pilot's 6: it takes every one
     assert all(len(v) == 4 for v in check["predicted_speedup_by_pilot_prompt"].values())
-    # the hybrid wraps the sized tree, so it is priced on the sizing's costs, and stays the target's greedy output
+    # the hybrid wraps the sized tree a level shallower, priced on the sizing's costs, and stays the target's greedy
+    # output
     assert set(check["draft_and_bookkeeping_ms"]) == names
     hybrid = [r for r in rows if r["proposer"] == "eagle3 + prompt lookup" and r["category"] == "all"]
-    assert [r["setting"] for r in hybrid] == [f"{check['setting']} + lookup 5, alone at 3-gram matches, priced"]
+    shallower = one_level_shallower(check["setting"])
+    assert [r["setting"] for r in hybrid] == [f"{shallower} + lookup 5, alone at 3-gram matches, priced"]
     assert hybrid[0]["greedy_identical"] == 1.0
 
 
@@ -372,6 +375,13 @@ def test_a_row_states_its_speedup_interval_and_the_report_its_ratio_to_prompt_lo
     assert f"{ratio:.2f}x [{low:.2f}, {high:.2f}] |" in text
 
 
+def one_level_shallower(tree: str) -> str:
+    """The tree the hybrid wraps by default (``report.hybrid_shallower`` = 1): the sized one a level shallower, never
+    below depth 2."""
+    k, depth, total = map(int, re.fullmatch(r"EAGLE-2 k(\d+) d(\d+) n(\d+)", tree).groups())
+    return f"EAGLE-2 k{k} d{max(2, depth - 1)} n{total}"
+
+
 def test_each_temperature_measures_the_chains_and_tree_sized_at_it(tiny_recipe, tmp_path, monkeypatch):
     """With temperatures 0 and 1, each is sized by its own pilots (sampled at T = 1, without the checkpoint's greedy
     prior): a tree or chain chosen at one temperature and not the other is measured only where it was chosen, and
@@ -412,7 +422,7 @@ def test_each_temperature_measures_the_chains_and_tree_sized_at_it(tiny_recipe, 
         assert mine == {chosen["chain", temp], chosen["tree", temp]}
         hybrid = [r["setting"] for r in rows if r["proposer"] == "eagle3 + prompt lookup" and r["category"] == "all"
                   and r["temperature"] == temp]  # fmt: skip
-        assert len(hybrid) == 1 and hybrid[0].startswith(f"{chosen['tree', temp]} + lookup 5")
+        assert len(hybrid) == 1 and hybrid[0].startswith(f"{one_level_shallower(chosen['tree', temp])} + lookup 5")
     assert chosen["tree", 0.0] != chosen["tree", 1.0]
     assert sizings == [0.0, 0.0, 1.0]  # the drafter's chain and the draft model's at T = 0; the drafter's at T = 1
 

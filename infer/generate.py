@@ -311,10 +311,11 @@ def keep_accepted(state: DecodeState, result: AcceptResult, n: int) -> torch.Ten
     # chains (and trees whose first branch won) accept nodes 0..L-1, already in place: then only truncate
     moved = not bool(((keep == steps) | ~new_valid).all())
     for layer in state.cache.layers:
+        keys, values = layer.keys, layer.values  # read once: a layer's properties slice its buffers on every read
         if moved:  # write the accepted path over the start of the tree region
-            layer.keys[:, :, S_old : S_old + L] = compact_kv(layer.keys[:, :, S_old:], keep)
-            layer.values[:, :, S_old : S_old + L] = compact_kv(layer.values[:, :, S_old:], keep)
-        layer.keys, layer.values = layer.keys[:, :, : S_old + L], layer.values[:, :, : S_old + L]  # views, no copy
+            keys[:, :, S_old : S_old + L] = compact_kv(keys[:, :, S_old:], keep)
+            values[:, :, S_old : S_old + L] = compact_kv(values[:, :, S_old:], keep)
+        layer.keys, layer.values = keys[:, :, : S_old + L], values[:, :, : S_old + L]  # views, no copy
     state.kv_valid = torch.cat([state.kv_valid, new_valid], 1)
     return result.length
 

@@ -274,6 +274,21 @@ def test_compact_kv_interpreter(dtype: torch.dtype) -> None:
     )
 
 
+def test_compact_kv_reference_of_one_row_is_the_gather() -> None:
+    """Batch 1 takes an index_select: the same positions as the batched gather, on a strided view too."""
+    gen = torch.Generator().manual_seed(21)
+    H, S, D = 3, 40, 16
+    keep = torch.tensor([[0, 4, 4, 9, 39]])
+    for kv in (
+        torch.randn(1, H, S, D, generator=gen),
+        torch.randn(1, S + 5, H, D, generator=gen)[:, :S].transpose(1, 2),
+    ):
+        want = kv.gather(2, keep[:, None, :, None].expand(-1, H, -1, D))
+        assert torch.equal(compact_kv_reference(kv, keep), want)
+    with pytest.raises(IndexError):
+        compact_kv_reference(torch.zeros(1, H, S, D), torch.tensor([[S]]))
+
+
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     monkeypatch.delenv("DRAFTERS_TRITON", raising=False)

@@ -57,13 +57,22 @@ class BatchSizing:
 
 
 def batch_length(
-    alpha: list[float], draft_step_s: float, verify_s: dict[int, float], overhead_s: float, vanilla_step_s: float
+    alpha: list[float],
+    draft_step_s: float,
+    verify_s: dict[int, float],
+    overhead_s: float,
+    vanilla_step_s: float,
+    longest: int | None = None,
 ) -> tuple[int, dict[int, float]]:
     """(chain length, predicted speedup by length) at one batch size: the best of `best_chain_length`'s rates over
-    vanilla's, or 0 (off) where even the best promises less than ``1 + AUTO_MARGIN``."""
+    vanilla's among lengths up to ``longest`` (a smaller batch's length: lengths never grow with the batch), or 0
+    (off) where even that best promises less than ``1 + AUTO_MARGIN``."""
     _, rates = best_chain_length(alpha, draft_step_s, verify_s, overhead_s)
     predicted = {k: r * vanilla_step_s for k, r in rates.items()}
-    best = max(predicted, key=predicted.get)
+    allowed = [k for k in predicted if longest is None or k <= longest]
+    if not allowed:
+        return 0, predicted
+    best = max(allowed, key=predicted.get)
     return (best if predicted[best] >= 1 + AUTO_MARGIN else 0), predicted
 
 
@@ -96,6 +105,7 @@ def size_batch_policy(
     the measured speedup is."""
     aux = make(1).signal is TargetSignal.AUX
     by_batch, lengths, baseline_faster = {}, {}, {}
+    longest = None  # the previous batch size's length: the margin is judged on the length the policy will serve
     for b in sorted(set(batch_sizes)):
         rows = [prompts[i % len(prompts)] for i in range(b)]
         pilot = SamplingParams(max_new_tokens=BATCH_PILOT_TOKENS)
@@ -111,7 +121,8 @@ def size_batch_policy(
         other = vanilla_loop_step(baseline, rows, eos_ids) if baseline is not None else None
         baseline_faster[b] = other is not None and other < vanilla
         vanilla = min(vanilla, other) if other is not None else vanilla
-        lengths[b], predicted = batch_length(alpha, draft_step, curve, overhead, vanilla)
+        lengths[b], predicted = batch_length(alpha, draft_step, curve, overhead, vanilla, longest)
+        longest = lengths[b]
         by_batch[b] = {
             "verify_ms": {n: 1e3 * t for n, t in curve.items()},
             "vanilla_ms": 1e3 * vanilla,

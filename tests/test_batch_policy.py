@@ -41,6 +41,19 @@ def test_a_flat_verify_curve_speculates_and_a_linear_one_switches_off():
     assert batch_length([0.6], 0.0, barely, 0.0, vanilla_step_s=0.030)[0] == 0
 
 
+def test_a_length_capped_by_a_smaller_batch_must_clear_the_margin_itself():
+    """Lengths never grow with the batch, so a larger batch chooses among the lengths up to the smaller one's, and
+    that choice must promise the margin on its own: a longer chain's promise does not switch a shorter one on."""
+    alpha = [0.6, 0.5, 0.4]
+    # one draft barely pays (its extra verify token costs half a step), three pay well (the curve is flat after)
+    curve = {1: 0.030, 2: 0.045, 3: 0.045, 4: 0.045}
+    k, pred = batch_length(alpha, 0.0, curve, 0.0, vanilla_step_s=0.030)
+    assert k == 3 and pred[3] >= 1 + AUTO_MARGIN > pred[1]
+    assert batch_length(alpha, 0.0, curve, 0.0, vanilla_step_s=0.030, longest=1)[0] == 0
+    assert batch_length(alpha, 0.0, curve, 0.0, vanilla_step_s=0.030, longest=0)[0] == 0
+    assert batch_length(alpha, 0.0, curve, 0.0, vanilla_step_s=0.030, longest=4)[0] == 3
+
+
 @pytest.mark.parametrize("lengths", [{1: 3, 4: 0}, {1: 3, 4: 2}])
 def test_the_batch_aware_proposer_is_vanilla_where_the_policy_is_off(tiny_target, lengths):
     policy = BatchPolicy(lengths)

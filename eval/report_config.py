@@ -110,7 +110,8 @@ class ReportConfig(*FAMILY_OPTIONS):
     hybrid_shallower: int = 1
     """Where ``hybrid_tree`` is empty, the hybrid wraps the sized tree this many levels shallower (its depth at least
     2; 0: the sized tree as it is). The lookup chain gives the hybrid depth, so a shallower tree serves it as well for
-    a drafter forward less a round (docs/decisions.md, "The hybrid's tree one level shallower by default")."""
+    a drafter forward less a round (docs/decisions.md, "Drafting costs leave the timed decode; the hybrid's tree a level
+    shallower by default")."""
     datastore: list[str] = field(default_factory=list)
     """Folders of the target's own conversations (``messages`` shards, e.g. the target-written training tiers) whose
     answers make a datastore (infer/datastore.py): where set, two more rows, prompt lookup drafting from the

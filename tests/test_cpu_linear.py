@@ -150,12 +150,14 @@ def test_install_builds_the_weight_copies_its_routes_read_before_the_first_call(
     the first call."""
     monkeypatch.setattr(cpu_linear, "MEASURED", {})
     fp32_packs = cpu_linear.packs(torch.float32)
-    by_shape = {(16, 8): ("packed@2",) * len(cpu_linear.BUCKETS), (8, 16): ("linear", "x_wt", *("linear",) * 6)}
-    if not fp32_packs:  # a torch without oneDNN routes to Wᵀ only
-        by_shape[(16, 8)] = ("linear",) * len(cpu_linear.BUCKETS)
+    plain = ("linear",) * len(cpu_linear.BUCKETS)
+    by_shape = {
+        (16, 8): ("packed@2",) * len(cpu_linear.BUCKETS) if fp32_packs else plain,  # no oneDNN: nothing to pack
+        (8, 16): ("linear", "x_wt", *("linear",) * 6),
+        (4, 8): plain,
+    }
     monkeypatch.setattr(cpu_linear, "choose_layouts", lambda w, reps=3: by_shape[tuple(w.shape)])
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
-    monkeypatch.setitem(by_shape, (4, 8), ("linear",) * len(cpu_linear.BUCKETS))
     cpu_linear.install(model, log=lambda m: None)
     built = [set(m.__dict__.get("_drafters_weights", {})) for m in model]
     assert built == [{"packed"} if fp32_packs else set(), {"wt"}, set()]

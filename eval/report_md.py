@@ -152,7 +152,8 @@ def write_report(
         "**Greedy identity** (T = 0) compares every answer with vanilla's. Where one diverges, the common prefix is "
         "replayed one precision up (fp32 for bf16, fp64 for fp32): a divergence is *within rounding* when the two "
         "tokens' exact logit gap is inside the served dtype's rounding band there (twice the served dtype's own "
-        "error on that gap plus 2 ulps at that logit magnitude; `infer/certificate.py`), and *unexplained* "
+        "error on that gap plus 2 ulps at that logit magnitude; `infer/certificate.py`) or when the method's token "
+        "is the exact argmax there (vanilla's rounding parted from it), and *unexplained* "
         "otherwise, which would be a bug. Below fp32, every divergent answer is also decoded again on an fp32 copy of "
         "the target from its first differing token, by vanilla and by the method, where the two must be identical.",
     ]

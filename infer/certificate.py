@@ -18,8 +18,12 @@ The test for one divergence (first position where the outputs differ, vanilla's 
    two logits to the served dtype (half an ulp each, so at most ``2 · ulp/2`` per run, ``2 ulp`` for both):
    ``band = 2e + 2 · ulp_dt(max(|l_hi[a]|, |l_hi[b]|))``, with ``ulp_dt(m) = eps_dt · 2^⌊log2 m⌋`` (bf16 at
    m ∈ [16, 32): 0.125).
-3. **Verdict.** Explained by rounding iff ``|g| ≤ band``. A wrong accept rule emits tokens the target does not
-   rank near the top: ``|g|`` is then far outside the band (a test runs one and sees it caught).
+3. **Verdict.** Explained by rounding iff ``|g| ≤ band``, or the candidate's token ``b`` is the replay's own
+   argmax: then the method emitted the exact greedy token and it was vanilla's served-dtype run that parted from it
+   (the band measures vanilla's error on a replay, whose cache is built in one prefill, not token by token as
+   vanilla's loop built it, so vanilla's own error there can exceed it). A wrong accept rule emits tokens the target
+   does not rank near the top: ``|g|`` is then far outside the band and ``b`` is not the argmax (a test runs one and
+   sees it caught).
 
 A prefix relation without a differing token (one output stops where the other goes on) is never explained. Every
 report also re-runs T = 0 in fp32 (``greedy_identical_fp32``): the band says a divergence *can* be rounding; the
@@ -78,15 +82,18 @@ class GreedyComparison:
     """Top-1 minus top-2 logit of the replay at the divergence (how close the race was at all)."""
     band: float | None = None
     """`rounding_band` at this position: |gap| within it is explained by the served dtype's rounding."""
+    candidate_exact: bool = False
+    """The candidate's token is the replay's argmax: the method was right there and vanilla's rounding parted."""
 
     @property
     def explained(self) -> bool:
-        """True when identical, or the divergence is within the served dtype's rounding band."""
+        """True when identical, or the divergence is within the served dtype's rounding band, or the candidate's
+        token is the exact greedy one (vanilla's served dtype parted from it)."""
         if self.identical:
             return True
         if self.gap is None or self.band is None:
             return False  # one output is a strict prefix of the other: no rounding can do that
-        return abs(self.gap) <= self.band
+        return abs(self.gap) <= self.band or self.candidate_exact
 
     def as_dict(self) -> dict:
         return {
@@ -99,6 +106,7 @@ class GreedyComparison:
             "served_gap": self.served_gap,
             "top2_gap": self.top2_gap,
             "band": self.band,
+            "candidate_exact": self.candidate_exact,
             "explained": self.explained,
         }
 
@@ -155,6 +163,7 @@ class Certifier:
             served_gap=served_gap,
             top2_gap=float(top[0] - top[1]),
             band=rounding_band(self.served, magnitude, abs(served_gap - gap)),
+            candidate_exact=int(high.argmax()) == b,
             **names,
         )
 

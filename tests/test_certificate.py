@@ -41,6 +41,12 @@ def test_identical_prefix_and_wrong_token_in_fp32(tiny_target):
     assert got.first_divergence == 3 and (got.reference_token, got.candidate_token) == (ref[3], other[3])
     assert got.gap == pytest.approx(float(logits[ref[3]] - logits[other[3]]), abs=1e-5)
     assert got.replay_dtype == "float64" and got.band < 1e-4 and not got.explained
+    assert not got.candidate_exact
+    # the other way round: vanilla's side holds the wrong token and the method the exact greedy one. However far
+    # outside the band, the method was right there: vanilla's run parted from the exact argmax
+    flipped = compare_greedy(model, PROMPT, other, ref)
+    assert flipped.gap == pytest.approx(-got.gap, abs=1e-5) and abs(flipped.gap) > flipped.band
+    assert flipped.candidate_exact and flipped.explained and flipped.as_dict()["candidate_exact"]
 
 
 def _near_tie_target(dtype: torch.dtype) -> tuple[TargetModel, int, int, int]:
@@ -71,7 +77,7 @@ def test_a_bf16_near_tie_is_explained_and_a_wrong_token_is_not():
     logits = certifier.last_logits(certifier.replica(), PROMPT + ref[:pos])
     wrong[pos] = int(logits.argmin())
     bad = certifier.compare(PROMPT, ref, wrong)
-    assert bad.gap > 10 * bad.band and not bad.explained
+    assert bad.gap > 10 * bad.band and not bad.candidate_exact and not bad.explained
 
 
 def _accept_every_draft(tree, logits):

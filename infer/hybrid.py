@@ -39,6 +39,8 @@ chain on a strong match, the learned draft otherwise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from infer.datastore import Datastore
@@ -47,6 +49,30 @@ from infer.proposer import Proposer
 from infer.proposers import PromptLookupProposer, _pack_rows
 from infer.sampling import SamplingParams
 from infer.tree import DraftTree
+
+
+@dataclass
+class RoundAccount:
+    """Where a hybrid's accepted drafts come from, by the kind of match each round had ("none", "weak", "strong",
+    "datastore", or "lookup alone": a strong round that skipped the learned drafter): rounds, drafts accepted (the
+    bonus token not counted), and how many of them prompt lookup's chain alone held (its common prefix with what the
+    round emitted: at T = 0 what a lookup-only round would have had accepted, capped at what this round emitted).
+    A row's last round is not counted (no later step sees what it emitted). Pass one to share it across calls."""
+
+    rounds: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    lookup: dict[str, int] = field(default_factory=dict)
+
+    def record(self, kind: str, chain: list[int], emitted: list[int]) -> None:
+        """One round of ``kind`` whose lookup chain was ``chain`` and which emitted ``emitted`` (bonus included)."""
+        held = 0
+        for drafted, token in zip(chain, emitted):
+            if drafted != token:
+                break
+            held += 1
+        self.rounds[kind] = self.rounds.get(kind, 0) + 1
+        self.accepted[kind] = self.accepted.get(kind, 0) + max(0, len(emitted) - 1)
+        self.lookup[kind] = self.lookup.get(kind, 0) + held
 
 
 class HybridProposer(Proposer):
@@ -64,6 +90,7 @@ class HybridProposer(Proposer):
         datastore: Datastore | None = None,
         price: VerifyPrice | None = None,
         chain_acceptance: ChainAcceptance | None = None,
+        account: RoundAccount | None = None,
     ):
         if budget < 2 or weak_tokens < 0 or strong_match < 1 or alone_match < 0:
             raise ValueError("need budget >= 2, weak_tokens >= 0, strong_match >= 1 and alone_match >= 0")
@@ -77,9 +104,10 @@ class HybridProposer(Proposer):
         self.price = price
         self.tally = chain_acceptance if chain_acceptance is not None else ChainAcceptance()
         """Lookup chains' acceptance by n-gram size and position (``price`` set): pass one to share it across calls."""
-        self._verified: list[tuple[int, list[int], int] | None] = []
-        """Per row, the last step's lookup chain (its n-gram size, the chain, the context length then), judged
-        against what the row emitted at its next step."""
+        self.account = account if account is not None else RoundAccount()
+        self._verified: list[tuple[str, int, list[int], int] | None] = []
+        """Per row, the last step's kind (as the account names it), its tally row, its lookup chain and the context
+        length then, judged against what the row emitted at its next step."""
         self.signal = learned.signal
         self.steps = {"strong": 0, "datastore": 0, "weak": 0, "none": 0, "lookup alone": 0}
         """Rows per kind of match over the proposer's life (the report's account of how often lookup joined in);
@@ -110,20 +138,25 @@ class HybridProposer(Proposer):
         # priced, a weak match offers its whole chain: its tally decides how much of it a step verifies
         return "weak", n, found[0] if self.price is not None else found[0][: self.weak_tokens]
 
-    def _judge(self, contexts: list[list[int]], matched: list[tuple[str, int, list[int]]]) -> None:
-        """Tally the last step's lookup chains against what each row emitted since, and remember this step's."""
+    def _judge(self, contexts: list[list[int]], matched: list[tuple[str, int, list[int]]], alone: bool) -> None:
+        """Judge the last step's lookup chains against what each row emitted since (the account; the tally where
+        the proposer is priced), and remember this step's."""
+        if len(self._verified) != len(contexts):  # called without `begin` (a proposer used directly): nothing to judge
+            self._verified = [None] * len(contexts)
         for b, ctx in enumerate(contexts):
             if self._verified[b] is not None:
-                ngram, chain, length = self._verified[b]
-                self.tally.record(ngram, chain, ctx[length:])
+                label, key, chain, length = self._verified[b]
+                self.account.record(label, chain, ctx[length:])
+                if self.price is not None and chain:
+                    self.tally.record(key, chain, ctx[length:])
             kind, n, chain = matched[b]
-            self._verified[b] = (_tally_key(kind, n), chain, len(ctx)) if chain else None
+            self._verified[b] = ("lookup alone" if alone else kind, _tally_key(kind, n), chain, len(ctx))
 
     def propose(self, contexts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> DraftTree:
         matched = [self._chain(ctx) for ctx in contexts]
-        if self.price is not None:
-            self._judge(contexts, matched)
-        if self.alone_match and all(n >= self.alone_match for _, n, _ in matched):
+        alone = bool(self.alone_match) and all(n >= self.alone_match for _, n, _ in matched)
+        self._judge(contexts, matched, alone)
+        if alone:
             self.steps["lookup alone"] += len(matched)
             chains = [c[: self._priced_length(n, len(c))] for _, n, c in matched]
             return _pack_rows(

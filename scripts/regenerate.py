@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from train.data.dataset import DataConfig  # noqa: E402
-from train.data.regenerate import regenerate_dataset  # noqa: E402
+from train.data.regenerate import answered_ids, regenerate_dataset  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -42,6 +42,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--limit", type=int, help="regenerate only the first N rows")
     ap.add_argument("--sample", type=int, help="regenerate a random N rows (seeded by --seed), in that order")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--exclude",
+        nargs="+",
+        default=[],
+        help="answered files or folders (searched recursively): rows whose id is a source_id there are not answered "
+        "again, and the sample is drawn from the rest",
+    )
     ap.add_argument(
         "--dtype",
         default="fastest",
@@ -79,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         limit=args.limit,
         sample=args.sample,
         seed=args.seed,
+        exclude_ids=answered_ids(args.exclude) if args.exclude else frozenset(),
     )
     print(json.dumps(counts, indent=2))
     if counts["rows_written"] == 0:

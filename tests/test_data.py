@@ -610,3 +610,23 @@ def test_repeats_weight_each_path_of_a_mixture(tmp_path):
     for bad in ([2], [1, 0], [1, 2, 3]):
         with pytest.raises(ValueError, match="repeats"):
             DataConfig(path=str(one), extra_paths=[str(two)], repeats=bad)
+
+
+def test_regenerate_leaves_out_rows_an_earlier_run_answered(tokenizers, tiny_target, tmp_path):
+    """``exclude_ids`` (from `answered_ids`: the source ids in earlier runs' files, folders searched recursively)
+    drops those rows before a sample is drawn, so a new run answers only new conversations, and counts them."""
+    from train.data.regenerate import answered_ids
+
+    tok = tokenizers["reference"]
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(6)]
+    cfg = DataConfig(path=write_jsonl(tmp_path / "d.jsonl", rows), max_length=256)
+    kw = dict(max_new_tokens=2, batch_size=2, show_progress=False)
+    regenerate_dataset(tiny_target, tok, cfg, tmp_path / "runs" / "first" / "a.jsonl", limit=2, **kw)
+    done = answered_ids([tmp_path / "runs"])
+    assert done == {"r0", "r1"}
+    counts = regenerate_dataset(tiny_target, tok, cfg, tmp_path / "b.jsonl", sample=10, exclude_ids=done, **kw)
+    assert counts["rows_excluded"] == 2 and counts["rows_read"] == 4
+    out = {json.loads(line)["source_id"] for line in (tmp_path / "b.jsonl").read_text().splitlines()}
+    assert out == {"r2", "r3", "r4", "r5"}
+    with pytest.raises(FileNotFoundError):
+        answered_ids([tmp_path / "missing"])

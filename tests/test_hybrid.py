@@ -191,3 +191,23 @@ def test_a_priced_hybrid_samples_reproducibly_from_a_fresh_tally(tiny_target, ti
     vocab = tiny_target.model.config.vocab_size
     assert outs[0] == outs[1] and all(0 <= t < vocab for row in outs[0] for t in row)
     assert sum(hybrid.tally.tried.values()) > 0
+
+
+def test_the_round_account_splits_accepted_drafts_by_match_kind():
+    """Each round is judged at the row's next step against what it emitted: drafts accepted (the bonus not counted)
+    and the common prefix of prompt lookup's chain with the emitted tokens, by the round's kind of match."""
+    hybrid = HybridProposer(Fixed(), num_draft=4, strong_match=2, weak_tokens=1, budget=16)
+    gen, params = torch.Generator(), SamplingParams()
+    strong, none = [5, 6, 7, 8, 9, 5, 6], [1, 2, 3]  # "5 6" matched: lookup's chain 7 8 9 5; nothing matched
+    hybrid.propose([strong, none], params, gen)
+    assert hybrid.account.rounds == {}  # nothing emitted yet
+    # the strong row emitted 7 8 then 4 (two drafts accepted, lookup's chain held both); the other row emitted 90, 3
+    hybrid.propose([strong + [7, 8, 4], none + [90, 3]], params, gen)
+    assert hybrid.account.rounds == {"strong": 1, "none": 1}
+    assert hybrid.account.accepted == {"strong": 2, "none": 1} and hybrid.account.lookup == {"strong": 2, "none": 0}
+    # a step where every row's match is long skips the learned drafter: counted as such at the next step
+    alone = HybridProposer(Fixed(), num_draft=4, alone_match=2)
+    alone.propose([strong], params, gen)
+    alone.propose([strong + [7, 1]], params, gen)
+    assert alone.account.rounds == {"lookup alone": 1} and alone.account.lookup == {"lookup alone": 1}
+    assert alone.account.accepted == {"lookup alone": 1}

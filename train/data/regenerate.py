@@ -13,7 +13,7 @@ from models.target import TargetModel
 from train.data.answerer import AnswerConfig, Job, answer, read_shards
 from train.data.chat_render import render
 from train.data.dataset import DataConfig, detect_format, load_raw, normalize_conversation
-from train.data.files import write_jsonl_atomic
+from train.data.files import read_shard, write_jsonl_atomic
 
 SKIP_REASONS = (
     "missing_field",
@@ -41,6 +41,7 @@ def regenerate_dataset(
     sample: int | None = None,
     seed: int = 0,
     show_progress: bool = True,
+    exclude_ids: set[str] = frozenset(),
 ) -> dict:
     """Replace every assistant turn with the target's own answer; write a ``messages`` jsonl atomically.
 
@@ -54,7 +55,8 @@ def regenerate_dataset(
 
     ``limit`` keeps the first rows, ``sample`` a random choice of that many (seeded by ``seed``; the answering takes
     them in that order, so a run stopped early still holds the dataset's mix). A row's scalar fields (a family, a
-    source) travel to its output row; its ``id`` as ``source_id``.
+    source) travel to its output row; its ``id`` as ``source_id``. Rows whose ``id`` is in ``exclude_ids`` (answered
+    by an earlier run: `answered_ids`) are dropped before the sample is drawn, and counted.
 
     Rows of prompts alone (user turns without answers, Spec-Bench ``turns`` or a ``prompt`` column) are answered.
     The answering is `train.data.answerer`'s (the project's KV-cached loop, length-bucketed batches): each finished
@@ -75,6 +77,13 @@ def regenerate_dataset(
         raise ValueError("the chat template ignores add_generation_prompt; cannot prompt the target for a turn")
     if limit is not None and sample is not None:
         raise ValueError("give limit (the first rows) or sample (a random choice), not both")
+    excluded = 0
+    if exclude_ids:
+        if "id" not in raw.column_names:
+            raise ValueError("exclude_ids needs rows with an id column")
+        keep = [i for i, rid in enumerate(raw["id"]) if str(rid) not in exclude_ids]
+        excluded = len(raw) - len(keep)
+        raw = raw.select(keep)
     if sample is not None:
         if sample < 1:
             raise ValueError(f"sample must be >= 1, got {sample}")
@@ -105,6 +114,7 @@ def regenerate_dataset(
     shutil.rmtree(shards)
     return {
         "rows_read": len(raw),
+        "rows_excluded": excluded,
         "rows_written": len(written),
         "turns_regenerated": counts["answers"],
         "turns_hit_max_new_tokens": counts["hit_max_new_tokens"],
@@ -112,6 +122,20 @@ def regenerate_dataset(
         "skipped": dict(skipped),
         "tokens_per_s": counts["tokens_per_s"],
     }
+
+
+def answered_ids(paths: list[str | Path]) -> set[str]:
+    """The ``source_id`` of every row in these answered files (.jsonl or .jsonl.gz) or folders of them, searched
+    recursively: the rows an earlier run already regenerated."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.name.endswith((".jsonl", ".jsonl.gz")))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"no answered file or folder at {p}")
+    return {str(row["source_id"]) for f in files for row in read_shard(f) if "source_id" in row}
 
 
 def _jobs(raw: datasets.Dataset, fmt: str, skipped: Counter) -> list[Job]:

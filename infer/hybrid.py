@@ -141,8 +141,8 @@ class HybridProposer(Proposer):
     def _judge(self, contexts: list[list[int]], matched: list[tuple[str, int, list[int]]], alone: bool) -> None:
         """Judge the last step's lookup chains against what each row emitted since (the account; the tally where
         the proposer is priced), and remember this step's."""
-        if len(self._verified) != len(contexts):  # called without `begin` (a proposer used directly): nothing to judge
-            self._verified = [None] * len(contexts)
+        if len(self._verified) != len(contexts):
+            raise RuntimeError(f"{len(contexts)} rows proposed for, {len(self._verified)} begun: call begin first")
         for b, ctx in enumerate(contexts):
             if self._verified[b] is not None:
                 label, key, chain, length = self._verified[b]

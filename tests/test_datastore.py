@@ -64,6 +64,7 @@ def test_the_hybrid_merges_the_datastore_chain_after_the_learned_nodes():
     hybrid = HybridProposer(Fixed(), num_draft=4, strong_match=2, weak_tokens=1, budget=16, datastore=store)
     strong = [5, 6, 7, 8, 9, 5, 6]  # its own 2-gram: the lookup chain, as without a datastore
     stored = [1, 2, 3]  # no match of its own, the store's "2 3"
+    hybrid.begin([strong, stored])
     tree = hybrid.propose([strong, stored], SamplingParams(), torch.Generator())
     rows = [[(int(t), int(p)) for t, p, v in zip(*r) if v] for r in zip(tree.tokens, tree.parents, tree.valid)]
     assert rows[0] == [(6, -1), (90, 0), (91, 0), (7, 0), (8, 3), (9, 4), (5, 5)]

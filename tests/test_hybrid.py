@@ -44,6 +44,7 @@ def test_the_step_merges_lookup_by_match_strength():
     strong = [5, 6, 7, 8, 9, 5, 6]  # "5 6" matched (n = 2): continue 7 8 9 5
     weak = [1, 2, 3, 1]  # only "1" matches (n = 1): continue with its first token, 2
     none = [1, 2, 3]
+    hybrid.begin([strong, weak, none])
     tree = hybrid.propose([strong, weak, none], SamplingParams(), torch.Generator())
     rows = [[(int(t), int(p)) for t, p, v in zip(*r) if v] for r in zip(tree.tokens, tree.parents, tree.valid)]
     assert rows[0] == [(6, -1), (90, 0), (91, 0), (7, 0), (8, 3), (9, 4), (5, 5)]
@@ -114,9 +115,9 @@ def test_a_long_match_verifies_lookup_alone_and_the_drafter_catches_up_after(tin
             again = HybridProposer(Counting(tiny_draft, k=3), num_draft=4, alone_match=2)
             assert generate_speculative(tiny_target, again, [p], params).tokens == res.tokens
     assert steps["lookup alone"] > 0 and steps["other"] > 0  # both kinds of step, so the drafter caught up
-    tree = HybridProposer(Fixed(), num_draft=4, alone_match=2).propose(
-        [[5, 6, 7, 8, 9, 5, 6]], SamplingParams(), torch.Generator()
-    )
+    alone = HybridProposer(Fixed(), num_draft=4, alone_match=2)
+    alone.begin([[5, 6, 7, 8, 9, 5, 6]])
+    tree = alone.propose([[5, 6, 7, 8, 9, 5, 6]], SamplingParams(), torch.Generator())
     assert tree.tokens[0].tolist() == [6, 7, 8, 9, 5] and tree.parents[0].tolist() == [-1, 0, 1, 2, 3]
     with pytest.raises(ValueError, match="max_ngram"):
         HybridProposer(Fixed(), alone_match=4, max_ngram=3)
@@ -199,6 +200,9 @@ def test_the_round_account_splits_accepted_drafts_by_match_kind():
     hybrid = HybridProposer(Fixed(), num_draft=4, strong_match=2, weak_tokens=1, budget=16)
     gen, params = torch.Generator(), SamplingParams()
     strong, none = [5, 6, 7, 8, 9, 5, 6], [1, 2, 3]  # "5 6" matched: lookup's chain 7 8 9 5; nothing matched
+    with pytest.raises(RuntimeError, match="call begin first"):
+        hybrid.propose([strong, none], params, gen)
+    hybrid.begin([strong, none])
     hybrid.propose([strong, none], params, gen)
     assert hybrid.account.rounds == {}  # nothing emitted yet
     # the strong row emitted 7 8 then 4 (two drafts accepted, lookup's chain held both); the other row emitted 90, 3
@@ -207,6 +211,7 @@ def test_the_round_account_splits_accepted_drafts_by_match_kind():
     assert hybrid.account.accepted == {"strong": 2, "none": 1} and hybrid.account.lookup == {"strong": 2, "none": 0}
     # a step where every row's match is long skips the learned drafter: counted as such at the next step
     alone = HybridProposer(Fixed(), num_draft=4, alone_match=2)
+    alone.begin([strong])
     alone.propose([strong], params, gen)
     alone.propose([strong + [7, 1]], params, gen)
     assert alone.account.rounds == {"lookup alone": 1} and alone.account.lookup == {"lookup alone": 1}

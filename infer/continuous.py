@@ -27,6 +27,7 @@ def decode_continuous(
     eos_ids: tuple[int, ...],
     batch_size: int,
     refill: int | None = None,
+    stop_row: Callable[[object, list[int]], bool] | None = None,
 ) -> GenerationStats:
     """Vanilla decoding with continuous batching: a row that finishes frees its slot for the next prompt at once, so
     a batch does not shrink to its longest answer (the throughput of batched self-distillation, where answer
@@ -38,7 +39,9 @@ def decode_continuous(
     slots are free (default a quarter of the batch): every join left-pads the shorter cache to the longer, so a join
     per freed slot would copy the cache too often. Tokens and logits of a row do not depend on its neighbours (the
     slot layout of `infer.generate`), so greedy answers equal those of one-at-a-time decoding up to the kernels'
-    rounding. One random stream serves all rows (T > 0 samples are not tied to a row's batch). On the CPU the one-token
+    rounding. One random stream serves all rows (T > 0 samples are not tied to a row's batch). ``stop_row(key,
+    tokens)``, asked after every step for every live row, ends a row there when it returns True (e.g. an answer
+    caught in a loop); its answer goes to ``on_done`` like any other. On the CPU the one-token
     steps attend through `infer.kernels.cpu_decode_attention` (off with ``DRAFTERS_CPU_DECODE_ATTENTION=0``)."""
     refill = max(1, refill if refill is not None else batch_size // 4)
     stats = GenerationStats(tree_nodes=1)
@@ -57,7 +60,12 @@ def decode_continuous(
                     stats.prefill_s += clock(target.device) - tp
             if state is None or not state.active:
                 break
-            for row in vanilla_round(target, state, params, gen, stats):
+            done = vanilla_round(target, state, params, gen, stats)
+            if stop_row is not None and state.active:
+                cut = [stop_row(keys[row], state.new_tokens[row]) for row in state.active]
+                done += [row for row, c in zip(state.active, cut) if c]
+                state.drop_finished(cut)
+            for row in done:
                 on_done(keys.pop(row), state.new_tokens[row])
                 state.new_tokens[row] = state.contexts[row] = []  # answered: release its text
             if state.active:  # slots no live row holds (left padding of rows that finished) would be attended forever

@@ -50,6 +50,12 @@ def main(argv: list[str] | None = None) -> dict:
         "again, and the sample is drawn from the rest",
     )
     ap.add_argument(
+        "--stop-loops",
+        type=int,
+        help="end a turn once this many of its last tokens repeat the answer's own earlier text (a greedy loop; "
+        "train/data/loops.py), counted; unset: every turn runs to an end token or --max-new-tokens",
+    )
+    ap.add_argument(
         "--dtype",
         default="fastest",
         choices=["fastest", "float32", "bfloat16", "float16"],
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         sample=args.sample,
         seed=args.seed,
         exclude_ids=answered_ids(args.exclude) if args.exclude else frozenset(),
+        stop_loops=args.stop_loops,
     )
     print(json.dumps(counts, indent=2))
     if counts["rows_written"] == 0:

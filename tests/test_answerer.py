@@ -591,3 +591,68 @@ def test_new_prompts_are_sorted_by_length_only_within_windows_so_any_prefix_keep
     assert [k for k, _ in window_sorted(prompts, len(prompts))][:8] == [f"short{i}" for i in range(8)]
     with pytest.raises(ValueError, match="length_window"):
         AnswerConfig(length_window=0)
+
+
+def test_a_row_stop_row_ends_leaves_its_slot_and_the_others_answer_as_alone(tiny_target):  # noqa: F811
+    """``stop_row`` ends a row after the step where it says so: that answer is the lone greedy run's prefix, its slot
+    takes the next prompt, and every other answer is the lone run's whole."""
+    from infer.continuous import decode_continuous
+
+    target = TargetModel(tiny_target)
+    prompts = {f"p{i}": list(range(3 + i, 9 + 2 * i)) for i in range(4)}
+    waiting = list(prompts.items())
+    answers: dict[str, list[int]] = {}
+
+    def submit(n):
+        out = waiting[:n]
+        del waiting[:n]
+        return out
+
+    params = SamplingParams(max_new_tokens=8)
+    decode_continuous(
+        target,
+        submit,
+        lambda key, toks: answers.__setitem__(key, list(toks)),
+        params,
+        (),
+        batch_size=2,
+        refill=1,
+        stop_row=lambda key, toks: key == "p1" and len(toks) >= 3,
+    )
+    assert set(answers) == set(prompts)
+    for key, prompt in prompts.items():
+        alone = generate_vanilla(target, [prompt], params).tokens[0]
+        assert answers[key] == (alone[:3] if key == "p1" else alone), key
+
+
+def test_answers_caught_in_a_loop_stop_and_are_counted(tokenizers, tiny_target, tmp_path, monkeypatch):  # noqa: F811
+    """With ``stop_loops`` a turn whose last tokens repeat its own earlier text ends there: its tokens are the
+    uncapped answer's up to the first ``stop_loops`` tokens of the loop, and it counts as stopped in a loop, not as
+    capped; answers that never loop are the same."""
+    import train.data.answerer as answerer_module
+    from train.data.loops import LoopWatch
+
+    decoded: dict[str, dict[str, list[int]]] = {}
+    real = answerer_module.decode_continuous
+
+    def spy(target, submit, on_done, *args):  # the tokens each run decoded, by job
+        run = decoded.setdefault(str(len(decoded)), {})
+        return real(target, submit, lambda key, toks: (run.__setitem__(key, list(toks)), on_done(key, toks)), *args)
+
+    monkeypatch.setattr(answerer_module, "decode_continuous", spy)
+    tok, target = tokenizers["reference"], TargetModel(tiny_target)
+    jobs = [Job(f"q{i}", [[{"role": "user", "content": q}]]) for i, q in enumerate(QUESTIONS)]
+    full = answer(target, tok, jobs, AnswerConfig(max_new_tokens=80, batch_size=2), tmp_path / "f", log=lambda m: None)
+    cut = AnswerConfig(max_new_tokens=80, batch_size=2, stop_loops=4)
+    counts = answer(target, tok, jobs, cut, tmp_path / "c", log=lambda m: None)
+    looped = 0
+    for key, toks in decoded["0"].items():
+        watch = LoopWatch()
+        stop = next((n for n in range(1, len(toks) + 1) if watch.update(toks[:n]) >= 4), None)
+        looped += stop is not None
+        assert decoded["1"][key] == (toks if stop is None else toks[:stop]), key
+    assert looped > 0 and counts["loop_stopped"] == looped
+    assert counts["hit_max_new_tokens"] == full["hit_max_new_tokens"] - looped
+    assert counts["answer_tokens"] < full["answer_tokens"]
+    with pytest.raises(ValueError, match="stop_loops"):
+        AnswerConfig(stop_loops=0)

@@ -24,6 +24,7 @@ from train.data.dataset import (  # noqa: E402
     load_raw,
     packed_attention_mask,
 )
+from train.data.loops import LoopWatch, loop_tail, trim_loop_tails  # noqa: E402
 from train.data.regenerate import regenerate_dataset  # noqa: E402
 from train.data.stdlib_samples import build_stdlib_samples  # noqa: E402
 
@@ -319,6 +320,64 @@ def test_truncation(tokenizers, tmp_path):
     assert summary["truncated"] == 1 and summary["kept"] == 1
     assert cut[0]["input_ids"] == full[0]["input_ids"][: n - 10]
     assert cut[0]["loss_mask"] == full[0]["loss_mask"][: n - 10]
+
+
+# --------------------------------------------------------------------------- loop tails
+def test_loop_tail_counts_the_repetition_at_the_end_only():
+    period = list(range(100, 120))  # a 20-token sentence said again and again
+    looped = [1, 2, 3] + period * 4  # 3 + 80 tokens: from the 16th token of the 2nd period on, every 16-gram recurs
+    assert loop_tail(looped) == 80 - 20 - 15
+    assert loop_tail(looped + [7]) == 0  # ends on something new: not a loop tail
+    assert loop_tail(list(range(60))) == 0
+    assert loop_tail(period * 2, ngram=4) == 20 - 3  # a shorter n-gram starts the tail earlier
+    assert loop_tail([5] * 10, ngram=16) == 0  # shorter than one n-gram
+    watch, grown = LoopWatch(), [1, 2, 3]
+    for piece in [[], period[:10], period[10:], period * 2, [7], period * 2]:  # the same tail token by token
+        grown += piece
+        assert watch.update(grown) == loop_tail(grown)
+
+
+def test_trim_loop_tails_cuts_each_span_and_keeps_the_rest():
+    period = list(range(100, 120))
+    answer = [9] + period * 4  # its loop tail: 45 tokens
+    ids = [1, 2] + answer + [3] + [4] + answer + [3]  # prompt, answer, end of turn, user, answer, end of turn
+    mask = [0, 0] + [1] * len(answer) + [0, 0] + [1] * len(answer) + [0]
+    out_ids, out_mask, dropped = trim_loop_tails(ids, mask, keep=5)
+    kept_answer = answer[: len(answer) - 40]
+    assert dropped == 80
+    assert out_ids == [1, 2] + kept_answer + [3, 4] + kept_answer + [3]
+    assert out_mask == [0, 0] + [1] * len(kept_answer) + [0, 0] + [1] * len(kept_answer) + [0]
+    assert trim_loop_tails(ids, mask, keep=45) == (ids, mask, 0)  # a keep past the tail changes nothing
+    closed = [1, 2] + answer + [8] + [3]  # the loss span closes with an end-of-turn mark the loop never held
+    closed_mask = [0, 0] + [1] * (len(answer) + 1) + [0]
+    assert trim_loop_tails(closed, closed_mask, keep=5) == ([1, 2] + kept_answer + [8, 3], [0, 0] + [1] * 42 + [0], 40)
+    plain = [0, 0] + [1] * 30
+    assert trim_loop_tails(list(range(32)), plain, keep=0) == (list(range(32)), plain, 0)
+
+
+def test_loop_tail_keep_in_the_dataset(tokenizers, tmp_path):
+    """``loop_tail_keep`` drops a looping answer's repetition past its first ``keep`` tokens and counts them; the
+    answer's start, the end of turn and a loop-free sample are untouched; a negative keep is refused."""
+    loop = "the model data token train loss value return. " * 12
+    loop = loop.rstrip()  # an answer does not end on a space
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: " + loop}]},
+        {"messages": CONVERSATIONS[1]},
+    ]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    full, summary_full = build_dataset(DataConfig(path=path), tokenizers["reference"])
+    cut, summary = build_dataset(DataConfig(path=path, loop_tail_keep=4), tokenizers["reference"])
+    assert summary_full["loop_tokens_dropped"] == 0
+    ids, mask = full[0]["input_ids"], full[0]["loss_mask"]
+    span = [t for t, m in zip(ids, mask) if m]
+    assert loop_tail(span) == 0 < loop_tail(span[:-1])  # the loss span closes with the turn's end mark
+    kept = [t for t, m in zip(cut[0]["input_ids"], cut[0]["loss_mask"]) if m]
+    assert kept == span[: len(span) - 1 - loop_tail(span[:-1]) + 4] + span[-1:]
+    assert summary["loop_tokens_dropped"] == len(ids) - len(cut[0]["input_ids"]) > 0
+    assert cut[1]["input_ids"] == full[1]["input_ids"]
+    assert cut[0]["input_ids"][:10] == ids[:10] and cut[0]["input_ids"][-2:] == ids[-2:]
+    with pytest.raises(ValueError, match="loop_tail_keep"):
+        DataConfig(path=path, loop_tail_keep=-1)
 
 
 # --------------------------------------------------------------------------- packing, collate, cache

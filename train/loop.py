@@ -126,7 +126,9 @@ def load_target_and_data(
         train_set = full.shuffle(seed=tc.seed).select(range(min(tc.max_train_samples, len(full))))
     log(
         f"data: {summary['kept']} samples kept of {summary['rows']} ({summary['loss_tokens']:,} loss tokens), "
-        f"skipped { ({k: v for k, v in summary['skipped'].items() if v}) }; training on {len(train_set)}"
+        f"skipped { ({k: v for k, v in summary['skipped'].items() if v}) }"
+        + (f", {summary['loop_tokens_dropped']:,} loop tokens dropped" if summary["loop_tokens_dropped"] else "")
+        + f"; training on {len(train_set)}"
     )
     if accelerator.is_main_process:
         Path(tc.output_dir).mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,7 @@ from models.timing import best_gemm_rate
 from models.tokenizer import stop_ids
 from train.data.chat_render import end_of_turn_token_ids, render
 from train.data.files import read_shard, rewrite_shard
+from train.data.loops import LoopWatch
 
 
 @dataclass
@@ -92,10 +93,17 @@ class AnswerConfig:
     of the jobs (sorting the whole set answered the shortest task families first: a build stopped early had no
     code, summarization, RAG or translation answers)."""
     seed: int = 0
+    stop_loops: int | None = None
+    """Chat: end an answer once this many of its last tokens are a loop (`train.data.loops.loop_tail`), its slot
+    freed for the next prompt, counted as ``loop_stopped`` (None: answers run to an end token or the cap). A greedy
+    answer caught in a loop never leaves it; what a drafter trains on keeps only the loop's first tokens
+    (``data.loop_tail_keep``), so the rest need not be decoded."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.new_tokens < 1 or self.batch_size < 1:
             raise ValueError("max_new_tokens, new_tokens and batch_size must be >= 1")
+        if self.stop_loops is not None and self.stop_loops < 1:
+            raise ValueError(f"stop_loops must be >= 1 (or None), got {self.stop_loops}")
         if self.length_window is not None and self.length_window < 1:
             raise ValueError(f"length_window must be >= 1 (or None), got {self.length_window}")
         if self.temperature < 0:
@@ -240,7 +248,8 @@ def answer(
     )
     try:
         if mine:
-            decode_continuous(target, run.submit, run.on_done, params, stop, cfg.batch_size, cfg.refill)
+            stop_row = run.looping if chat and cfg.stop_loops is not None else None
+            decode_continuous(target, run.submit, run.on_done, params, stop, cfg.batch_size, cfg.refill, stop_row)
     finally:  # a run stopped by Ctrl-C (or a crash) keeps its finished rows and still says how fast it went
         run.flush(1)
         bar.close()
@@ -274,7 +283,7 @@ class _Answering:
         self.tokenizer, self.cfg, self.chat, self.stop, self.bar = tokenizer, cfg, chat, stop, bar
         self.probe = probe  # the machine's GEMM rate, sampled at shards (`_gemm_rate`: at most once a minute)
         self.out_dir, self.rank = out_dir, rank
-        self.counts: Counter = Counter(rows_written=0, answer_tokens=0, answers=0, hit_max_new_tokens=0)
+        self.counts: Counter = Counter(rows_written=0, answer_tokens=0, answers=0, hit_max_new_tokens=0, loop_stopped=0)
         self.counts.update({f"{pre}{r}": 0 for pre in ("", "no_answer_") for r in ENDINGS})
         # after the highest number on disk, not the count: an audit may have removed a shard (`train.data.audit`)
         self.shard_no = 1 + max(
@@ -284,6 +293,7 @@ class _Answering:
         self.convs: dict[str, _Conversation] = {}
         self.queue: list[tuple[str, list[int]]] = []  # (job id, prompt): next turns first, then new jobs by length
         self.fresh: list[tuple[str, list[int]]] = []
+        self.watches: dict[str, LoopWatch] = {}  # the answers in flight, where ``cfg.stop_loops`` is set
         self.t0 = time.time()
 
     def start(self, jobs: list[Job]) -> None:
@@ -328,6 +338,10 @@ class _Answering:
         self.counts["prompt_tokens"] += sum(len(p) for _, p in out)  # every turn's prompt is prefilled whole
         return out
 
+    def looping(self, key: str, toks: list[int]) -> bool:
+        """Whether the answer in flight for ``key`` has reached ``cfg.stop_loops`` tokens of loop."""
+        return self.watches.setdefault(key, LoopWatch()).update(toks) >= self.cfg.stop_loops
+
     def on_done(self, key: str, toks: list[int]) -> None:
         self.counts["answer_tokens"] += len(toks)
         self.counts["answers"] += 1
@@ -336,7 +350,10 @@ class _Answering:
             ids = list(conv.job.prompt_ids) + toks
             return self.finish({"id": key, **conv.job.meta, "input_ids": ids, "loss_mask": [1] * len(ids)})
         complete = bool(toks) and toks[-1] in self.stop
-        self.counts["hit_max_new_tokens"] += int(not complete)
+        watch = self.watches.pop(key, None)  # a conversation's next answer is watched afresh
+        looped = not complete and watch is not None and watch.run >= self.cfg.stop_loops
+        self.counts["loop_stopped"] += int(looped)
+        self.counts["hit_max_new_tokens"] += int(not complete and not looped)
         text = self.tokenizer.decode(toks[:-1] if complete else toks, skip_special_tokens=True).strip()
         conv.add_answer(text)
         prompt = conv.next_prompt(self.tokenizer, self.cfg) if conv.ended is None else None

@@ -41,6 +41,7 @@ import jinja2
 import torch
 
 from train.data.chat_render import SpanError, diff_spans, generation_spans, has_generation_markers
+from train.data.loops import trim_loop_tails
 
 FORMATS = ("auto", "sharegpt", "messages", "text")
 SPAN_METHODS = ("auto", "generation", "diff")
@@ -88,6 +89,11 @@ class DataConfig:
     span_method: str = "auto"
     """How to find assistant spans: 'generation' (template markers), 'diff' (turn-by-turn rendering), or
     'auto' (generation when the template has {% generation %} markers, else diff)."""
+    loop_tail_keep: int | None = None
+    """Where a loss span (an assistant turn, a raw text) ends repeating itself (`loop_tail`), keep only this many
+    tokens of the repetition and drop the rest from the sample (None: keep everything). A greedy target often writes
+    to its length cap in a loop; a drafter served beside prompt lookup is not the one that drafts there, and those
+    tokens cost training time without teaching it anything new."""
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -100,6 +106,8 @@ class DataConfig:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         if self.num_proc < 1:
             raise ValueError(f"num_proc must be >= 1, got {self.num_proc}")
+        if self.loop_tail_keep is not None and self.loop_tail_keep < 0:
+            raise ValueError(f"loop_tail_keep must be >= 0 or None, got {self.loop_tail_keep}")
         if self.repeats and (len(self.repeats) != 1 + len(self.extra_paths) or min(self.repeats) < 1):
             raise ValueError(
                 f"repeats needs a count >= 1 for path and each of extra_paths ({1 + len(self.extra_paths)}), "
@@ -226,10 +234,16 @@ def tokenize_conversation(tokenizer, messages: list[dict], span_method: str) -> 
 
 # --------------------------------------------------------------------------- rows
 def _tokenize_row(
-    row: dict, tokenizer, fmt: str, span_method: str, max_length: int, loss_on_all_tokens_for_text: bool
+    row: dict,
+    tokenizer,
+    fmt: str,
+    span_method: str,
+    max_length: int,
+    loss_on_all_tokens_for_text: bool,
+    loop_tail_keep: int | None = None,
 ) -> dict[str, Any]:
     """One raw row → ids, mask and a skip reason ("" when kept). Runs inside ``datasets.map``."""
-    skipped = {"input_ids": [], "loss_mask": [], "truncated": False, "length": 0, "n_loss": 0}
+    skipped = {"input_ids": [], "loss_mask": [], "truncated": False, "length": 0, "n_loss": 0, "loop_dropped": 0}
     if fmt == "text":
         text = row.get("text")
         if not isinstance(text, str):
@@ -252,6 +266,9 @@ def _tokenize_row(
             return {**skipped, "skip_reason": "span_not_found"}
         except jinja2.TemplateError:  # the template's raise_exception(...), e.g. roles must alternate
             return {**skipped, "skip_reason": "template_error"}
+    dropped = 0
+    if loop_tail_keep is not None:
+        ids, mask, dropped = trim_loop_tails(ids, mask, loop_tail_keep)
     truncated = len(ids) > max_length
     ids, mask = ids[:max_length], mask[:max_length]
     if not any(mask):
@@ -262,6 +279,7 @@ def _tokenize_row(
         "truncated": truncated,
         "length": len(ids),
         "n_loss": sum(mask),
+        "loop_dropped": dropped,
         "skip_reason": "",
     }
 
@@ -292,8 +310,8 @@ def build_dataset(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, dict]:
     """Tokenised dataset (``input_ids``, ``loss_mask``, plus ``position_ids`` when packed) and a summary.
 
     The summary holds: format, span_method, rows read, samples kept, truncated, skipped (every reason
-    in :data:`SKIP_REASONS`, zeros included), tokens and loss tokens of the kept samples, and (packed)
-    the number of packed rows.
+    in :data:`SKIP_REASONS`, zeros included), tokens and loss tokens of the kept samples, the loop tokens dropped
+    (``loop_tail_keep``), and (packed) the number of packed rows.
     """
     raw = load_raw(cfg)
     fmt = detect_format(raw.column_names, cfg.format)
@@ -305,6 +323,7 @@ def build_dataset(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, dict]:
             "truncated": datasets.Value("bool"),
             "length": datasets.Value("int32"),
             "n_loss": datasets.Value("int32"),
+            "loop_dropped": datasets.Value("int32"),
             "skip_reason": datasets.Value("string"),
         }
     )
@@ -316,6 +335,7 @@ def build_dataset(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, dict]:
             "span_method": span_method,
             "max_length": cfg.max_length,
             "loss_on_all_tokens_for_text": cfg.loss_on_all_tokens_for_text,
+            "loop_tail_keep": cfg.loop_tail_keep,
         },
         remove_columns=raw.column_names,
         features=features,
@@ -333,8 +353,9 @@ def build_dataset(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, dict]:
         "skipped": {reason: reasons.get(reason, 0) for reason in SKIP_REASONS},
         "tokens": sum(kept["length"]),
         "loss_tokens": sum(kept["n_loss"]),
+        "loop_tokens_dropped": sum(kept["loop_dropped"]),
     }
-    dataset = kept.remove_columns(["truncated", "length", "n_loss", "skip_reason"])
+    dataset = kept.remove_columns(["truncated", "length", "n_loss", "loop_dropped", "skip_reason"])
     if cfg.packing:
         dataset = dataset.map(
             _pack,

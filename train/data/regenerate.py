@@ -42,6 +42,7 @@ def regenerate_dataset(
     seed: int = 0,
     show_progress: bool = True,
     exclude_ids: set[str] = frozenset(),
+    stop_loops: int | None = None,
 ) -> dict:
     """Replace every assistant turn with the target's own answer; write a ``messages`` jsonl atomically.
 
@@ -56,7 +57,8 @@ def regenerate_dataset(
     ``limit`` keeps the first rows, ``sample`` a random choice of that many (seeded by ``seed``; the answering takes
     them in that order, so a run stopped early still holds the dataset's mix). A row's scalar fields (a family, a
     source) travel to its output row; its ``id`` as ``source_id``. Rows whose ``id`` is in ``exclude_ids`` (answered
-    by an earlier run: `answered_ids`) are dropped before the sample is drawn, and counted.
+    by an earlier run: `answered_ids`) are dropped before the sample is drawn, and counted. ``stop_loops``: a turn
+    ends once that many of its tokens are a loop (`train.data.answerer.AnswerConfig.stop_loops`), counted.
 
     Rows of prompts alone (user turns without answers, Spec-Bench ``turns`` or a ``prompt`` column) are answered.
     The answering is `train.data.answerer`'s (the project's KV-cached loop, length-bucketed batches): each finished
@@ -102,6 +104,7 @@ def regenerate_dataset(
         batch_size=batch_size,
         max_length=cfg.max_length,
         seed=seed,
+        stop_loops=stop_loops,
     )
     # one process answers all and writes the file (the shards still make it resumable)
     counts = answer(model, tokenizer, jobs, settings, shards, "regenerate", lambda m: None, show_progress, (0, 1))
@@ -118,6 +121,7 @@ def regenerate_dataset(
         "rows_written": len(written),
         "turns_regenerated": counts["answers"],
         "turns_hit_max_new_tokens": counts["hit_max_new_tokens"],
+        "turns_stopped_in_a_loop": counts["loop_stopped"],
         "rows_cut_short": cut_short,
         "skipped": dict(skipped),
         "tokens_per_s": counts["tokens_per_s"],

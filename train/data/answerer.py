@@ -340,7 +340,9 @@ class _Answering:
 
     def looping(self, key: str, toks: list[int]) -> bool:
         """Whether the answer in flight for ``key`` has reached ``cfg.stop_loops`` tokens of loop."""
-        return self.watches.setdefault(key, LoopWatch()).update(toks) >= self.cfg.stop_loops
+        if key not in self.watches:
+            self.watches[key] = LoopWatch()
+        return self.watches[key].update(toks) >= self.cfg.stop_loops
 
     def on_done(self, key: str, toks: list[int]) -> None:
         self.counts["answer_tokens"] += len(toks)

@@ -90,10 +90,10 @@ class DataConfig:
     """How to find assistant spans: 'generation' (template markers), 'diff' (turn-by-turn rendering), or
     'auto' (generation when the template has {% generation %} markers, else diff)."""
     loop_tail_keep: int | None = None
-    """Where a loss span (an assistant turn, a raw text) ends repeating itself (`loop_tail`), keep only this many
-    tokens of the repetition and drop the rest from the sample (None: keep everything). A greedy target often writes
-    to its length cap in a loop; a drafter served beside prompt lookup is not the one that drafts there, and those
-    tokens cost training time without teaching it anything new."""
+    """Where a loss span (an assistant turn, a raw text) ends repeating itself (`train.data.loops.loop_tail`), keep
+    only this many tokens of the repetition and drop the rest from the sample (None: keep everything). A greedy
+    target often writes to its length cap in a loop; a drafter served beside prompt lookup is not the one that
+    drafts there, and those tokens cost training time without teaching it anything new."""
 
     def __post_init__(self) -> None:
         if not self.path:

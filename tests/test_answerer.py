@@ -4,6 +4,7 @@ length; and the continuous decoder under it (infer/continuous.py)."""
 
 import gzip
 import json
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -164,6 +165,18 @@ def test_a_job_is_chat_or_continuation():
         Job("x", [[{"role": "user", "content": "hi"}]], prompt_ids=[1, 2])
 
 
+def _submit_from(waiting: list) -> Callable[[int], list]:
+    """``decode_continuous``'s ``submit``: the next n (key, prompt) pairs of ``waiting``, taken off it (a test may put
+    more on it meanwhile, as a conversation's next turn)."""
+
+    def submit(n: int) -> list:
+        out = waiting[:n]
+        del waiting[:n]
+        return out
+
+    return submit
+
+
 def test_continuous_batching_gives_each_prompt_its_lone_greedy_answer(tiny_target, monkeypatch):  # noqa: F811
     """Prompts of different lengths joining a running batch of 2 as slots free up (and one prompt of a single token,
     nothing to prefill), some of them submitted from on_done as a next turn would be: every answer equals the lone
@@ -177,10 +190,7 @@ def test_continuous_batching_gives_each_prompt_its_lone_greedy_answer(tiny_targe
     waiting = list(prompts.items())
     answers: dict[str, list[int]] = {}
 
-    def submit(n):
-        out = waiting[:n]
-        del waiting[:n]
-        return out
+    submit = _submit_from(waiting)
 
     def on_done(key, toks):
         answers[key] = toks
@@ -228,10 +238,7 @@ def test_a_longer_prompt_joining_a_running_batch_keeps_keys_and_values_aligned(t
     expected = {k: generate_vanilla(target, [p], params, (eos,)).tokens[0] for k, p in prompts.items()}
     waiting, answers, joins = list(prompts.items()), {}, []
 
-    def submit(n):
-        out = waiting[:n]
-        del waiting[:n]
-        return out
+    submit = _submit_from(waiting)
 
     real_join = continuous_module._join
 
@@ -264,10 +271,7 @@ def _decode_queue(target: TargetModel, prompts: dict, params: SamplingParams) ->
 
     waiting, answers = list(prompts.items()), {}
 
-    def submit(n):
-        out = waiting[:n]
-        del waiting[:n]
-        return out
+    submit = _submit_from(waiting)
 
     decode_continuous(target, submit, lambda k, toks: answers.update({k: toks}), params, (), 4, refill=2)
     return answers
@@ -603,10 +607,7 @@ def test_a_row_stop_row_ends_leaves_its_slot_and_the_others_answer_as_alone(tiny
     waiting = list(prompts.items())
     answers: dict[str, list[int]] = {}
 
-    def submit(n):
-        out = waiting[:n]
-        del waiting[:n]
-        return out
+    submit = _submit_from(waiting)
 
     params = SamplingParams(max_new_tokens=8)
     decode_continuous(

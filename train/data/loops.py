@@ -35,9 +35,11 @@ def trim_loop_tails(ids: list[int], mask: list[int], keep: int) -> tuple[list[in
             end += 1
         span = ids[start:end]
         if mask[start]:
-            # a span that closes with its turn's end mark ends on a token the loop never held: judge the body
-            body, close = (span, []) if loop_tail(span) or len(span) < 2 else (span[:-1], span[-1:])
-            span = body[: len(body) - max(0, loop_tail(body) - keep)] + close
+            body, close, tail = span, [], loop_tail(span)
+            if not tail and len(span) > 1:  # a span closed by its turn's end mark: the loop ends just before it
+                body, close = span[:-1], span[-1:]
+                tail = loop_tail(body)
+            span = body[: len(body) - max(0, tail - keep)] + close
         out_ids += span
         out_mask += [mask[start]] * len(span)
         start = end

@@ -1,9 +1,10 @@
 """The data-scaling curve of one training run: for each snapshot (``<run>/snapshots/step-N``, written by
 ``train.snapshot_steps``) and the final checkpoint, the tokens it has read, its held-out acceptance per draft
 position (teacher-forced, the training evaluation) and its served τ and acceptance per position on a prompt file
-(greedy chain in the verify runtime, answers stopping at EOS or the cap). The recipe's family (the one whose section
-its YAML has, e.g. an EAGLE-3 recipe's ``drafter``) gives the config, the held-out evaluation and the chain
-(`train.recipes.TrainingEntry`, `infer.family.DrafterFamily.chain`).
+(greedy chain in the verify runtime, answers stopping at EOS or the cap), and for EAGLE-3 its walked τ on both
+(each answer's greedy chain replayed on the teacher-forced hits: served τ on a text fixed for every row; `GAINS`).
+The recipe's family (the one whose section its YAML has, e.g. an EAGLE-3 recipe's ``drafter``) gives the config,
+the held-out evaluation and the chain (`train.recipes.TrainingEntry`, `infer.family.DrafterFamily.chain`).
 
     python -m scripts.data_scaling --config recipes/smollm2-135m/eagle3-text.yaml \
         --prompts eval/prompts/specbench_unseen.jsonl --out docs/data_scaling [--extra shipped=models/smollm2_eagle3]
@@ -12,9 +13,9 @@ its YAML has, e.g. an EAGLE-3 recipe's ``drafter``) gives the config, the held-o
 (``python train/<method>.py report``), which times every row against vanilla in one quiet run. Results are appended to
 ``<out>/curve.json`` one checkpoint at a time (a checkpoint already there is not measured again), then the table
 ``<out>/curve.md`` and the plot ``<out>/curve.png`` are drawn from it. With ``--baseline NAME`` the table also gives
-each row's held-out α1, served τ and α1 and unseen α1 gains over that checkpoint with 95 % intervals from a paired
-bootstrap over the held-out samples or the prompts (both drafters read each held-out sample and answer each prompt
-alike, so a gain is judged against its own spread, not the file's). Unseen α is the held-out evaluation run on the
+each row's held-out α1, served τ and α1, unseen α1 and walked τ gains over that checkpoint with 95 % intervals from
+a paired bootstrap over the held-out samples or the prompts (both drafters read each held-out sample and answer each
+prompt alike, so a gain is judged against its own spread, not the file's). Unseen α is the held-out evaluation run on the
 target's greedy answers to the prompt file (teacher-forced, every answer position; the answers are written into
 ``curve.json`` once and every later row is scored on them).
 """
@@ -140,6 +141,9 @@ def answer_samples(first_turns: list[list[int]], answers: list[list[int]]) -> li
 class Paired(NamedTuple):
     """A figure `gains` compares: a ratio of sums over units two rows share (held-out samples, prompts)."""
 
+    key_in_row: str
+    """The row's entry that holds the units: a row measured before it was kept lacks it (and is measured again)."""
+
     units: Callable[[dict], list | None]
     """The row's units, each with its counts (None: the row was stored without them)."""
     num: Callable[[Any], int]
@@ -147,29 +151,54 @@ class Paired(NamedTuple):
     key: Callable[[Any], Any] | None = None
     """What names a unit, where rows could list other units (prompts by id); held-out samples are the first n of
     the recipe's held-out set, named by their place."""
+    every_family: bool = True
+    """Whether every family's row has it; a row of a family without it keeps None there."""
 
 
 GAINS = {
-    "held-out α1": Paired(lambda r: r.get("heldout_per_sample"), lambda s: s[0][0], lambda s: s[0][1]),
+    "held-out α1": Paired(
+        "heldout_per_sample", lambda r: r.get("heldout_per_sample"), lambda s: s[0][0], lambda s: s[0][1]
+    ),
     "served τ": Paired(
-        lambda r: r["served"].get("per_prompt"), itemgetter("tokens"), itemgetter("forwards"), itemgetter("id")
+        "served",
+        lambda r: r["served"].get("per_prompt"),
+        itemgetter("tokens"),
+        itemgetter("forwards"),
+        itemgetter("id"),
     ),
     "served α1": Paired(
-        lambda r: r["served"].get("per_prompt"), itemgetter("accepted1"), itemgetter("attempted1"), itemgetter("id")
+        "served",
+        lambda r: r["served"].get("per_prompt"),
+        itemgetter("accepted1"),
+        itemgetter("attempted1"),
+        itemgetter("id"),
     ),
-    "unseen α1": Paired(lambda r: r.get("unseen_per_sample"), lambda s: s[0][0], lambda s: s[0][1]),
+    "unseen α1": Paired(
+        "unseen_per_sample", lambda r: r.get("unseen_per_sample"), lambda s: s[0][0], lambda s: s[0][1]
+    ),
+    "held-out walked τ": Paired(
+        "heldout_walked", lambda r: r.get("heldout_walked"), itemgetter(0), itemgetter(1), every_family=False
+    ),
+    "unseen walked τ": Paired(
+        "unseen_walked", lambda r: r.get("unseen_walked"), itemgetter(0), itemgetter(1), every_family=False
+    ),
 }
 """The figures `gains` compares. Served α1 is counted once a round, at the round's first draft, so which answer
 positions it scores depends on the drafter: one that accepts further moves its rounds' starts to the positions after
 its misses, which are harder. Unseen α1 scores the first draft at every position of the target's greedy answers to
 the same prompts (teacher-forced, as held-out α1 is on the held-out set), the same positions for every drafter. Both
 teacher-forced figures count the positions whose target token the draft vocabulary holds (`train.losses.ttt_targets`),
-so they pair drafters of one vocabulary; served α1 counts every round."""
+so they pair drafters of one vocabulary; served α1 counts every round.
+
+Walked τ is served τ without the text's own swings: each answer's greedy chain replayed on the teacher-forced hits
+(`models.acceptance.walked_chain`), on the same text for every drafter; served τ decodes each drafter's own text,
+which at bf16 parts from the reference answer at near-ties and then differs in how hard it is to draft. On the
+held-out set it is the served τ of answers of the training kind; on the unseen file, of the prompts' answers."""
 
 
 def counted(row: dict) -> bool:
     """Whether ``row`` keeps every count `gains` pairs (rows measured before the counts were kept do not)."""
-    return all(g.units(row) for g in GAINS.values())
+    return all(g.units(row) if g.every_family else g.key_in_row in row for g in GAINS.values())
 
 
 def gains(row: dict, base: dict) -> dict[str, tuple[float, float, float] | None]:
@@ -242,6 +271,11 @@ def _signed(x: float) -> str:
     return f"{round(x, 3) + 0.0:+.3f}"
 
 
+def _walked_tau(walks: list[list[int]] | None) -> str:
+    """Walked τ from each sample's (tokens, rounds, ...) replayed chains; "—" for a row without them."""
+    return f"{sum(w[0] for w in walks) / max(1, sum(w[1] for w in walks)):.2f}" if walks else "—"
+
+
 def table(rows: list[dict], meta: dict, baseline: str | None = None) -> str:
     """The curve's rows as a markdown table; with ``baseline`` (a row's name), each row's served τ and α1 gain over
     that row with its 95 % paired interval (`gains`)."""
@@ -250,6 +284,7 @@ def table(rows: list[dict], meta: dict, baseline: str | None = None) -> str:
     depth = max(len(r["served"]["alpha"]) for r in rows)
     head = ["checkpoint", "tokens read", "loss tokens", *(f"held-out α{k + 1}" for k in range(held))]
     head += ["served τ", *(f"served α{k + 1}" for k in range(depth)), "unseen α1", "answers at EOS"]
+    head += ["held-out walked τ", "unseen walked τ"]
     base = next((r for r in rows if r["name"] == baseline), None)
     if baseline is not None and base is None:
         raise SystemExit(f"--baseline {baseline}: no checkpoint of that name in the curve")
@@ -264,6 +299,7 @@ def table(rows: list[dict], meta: dict, baseline: str | None = None) -> str:
         cells += [""] * (depth - len(r["served"]["alpha"]))
         cells += [f"{r['unseen_alpha'][0]:.2f}" if r.get("unseen_alpha") else "—"]
         cells += [f"{r['served']['stopped_at_eos']}/{meta['prompts']}"]
+        cells += [_walked_tau(r.get(key)) for key in ("heldout_walked", "unseen_walked")]
         if base is not None:
             found = gains(r, base) if r is not base else dict.fromkeys(GAINS)
             cells += [f"{_signed(g[0])} [{_signed(g[1])}, {_signed(g[2])}]" if g else "—" for g in found.values()]
@@ -345,10 +381,10 @@ def main(argv: list[str]) -> None:
         row = {"name": name, "path": str(path), "step": step}
         if step is not None:
             row["tokens"], row["loss_tokens"] = tokens_read(cfg, train_set, step, world)
-        row["heldout_alpha"], row["heldout_per_sample"] = entry.heldout_acceptance(
+        row["heldout_alpha"], row["heldout_per_sample"], row["heldout_walked"] = entry.heldout_acceptance(
             accelerator, target, drafter, eval_set, cfg, pad_id
         )
-        row["unseen_alpha"], row["unseen_per_sample"] = entry.heldout_acceptance(
+        row["unseen_alpha"], row["unseen_per_sample"], row["unseen_walked"] = entry.heldout_acceptance(
             accelerator, target, drafter, unseen, unseen_cfg, pad_id
         )
         with torch.inference_mode():

@@ -52,6 +52,8 @@ def notes(ckpt: Path, recipe: str, note: str, size: int) -> str:
     if evals:
         e = evals[-1]
         tau = f", simulated τ {e['eval/simulated_tau']:.2f}" if "eval/simulated_tau" in e else ""
+        if "eval/walked_tau" in e:  # the greedy chain replayed on the held-out answers (models.acceptance)
+            tau += f", walked τ {e['eval/walked_tau']:.2f}"
         lines.append(
             f"- Held-out (teacher-forced) top-1 accuracy per draft depth at step {e['step']}: "
             f"{[round(a, 3) for a in e['eval/acc']]}{tau}."

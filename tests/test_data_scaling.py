@@ -85,9 +85,15 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
             assert 0 < s[0][1] <= len(answer) and 0 <= s[0][0] <= s[0][1]
         for k, a in enumerate(r["unseen_alpha"]):
             assert sum(s[k][0] for s in unseen) / max(1, sum(s[k][1] for s in unseen)) == pytest.approx(a)
+        # and each answer's greedy chain replayed on those hits: every answer token once, at most a chain's worth of
+        # drafts and the bonus token a round (the recipe's 3 TTT steps)
+        assert [w[0] for w in r["unseen_walked"]] == [len(a) for a in answers]
+        assert all(w[0] / 4 <= w[1] <= w[0] and w[2] <= w[1] for w in r["unseen_walked"])
+        assert len(r["heldout_walked"]) == 4 and all(w[1] <= w[0] for w in r["heldout_walked"])
     header, _, *lines = (curve / "curve.md").read_text().splitlines()
     assert all(line.count("|") == header.count("|") for line in lines) and len(lines) == 3
     assert "held-out α3" in header and "served α2" in header and "served α3" not in header
+    assert header.endswith("| held-out walked τ | unseen walked τ |")
     assert (curve / "curve.png").stat().st_size > 0
 
     # measured rows are kept: a second call measures nothing again and draws the same table
@@ -101,6 +107,7 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     del stored["rows"][0]["served"]["per_prompt"]
     del stored["rows"][1]["heldout_per_sample"]
     del stored["rows"][2]["unseen_per_sample"]
+    del stored["rows"][2]["heldout_walked"]
     gone = {**stored["rows"][1], "name": "deleted-run", "path": str(tmp_path / "nowhere")}
     stored["rows"].append(gone)
     (curve / "curve.json").write_text(json.dumps(stored))
@@ -113,7 +120,7 @@ def test_snapshots_and_the_finished_run_become_the_curves_rows(tiny_recipe, tmp_
     assert json.loads((curve / "curve.json").read_text())["meta"]["answers"] == answers
     header, _, *lines = (curve / "curve.md").read_text().splitlines()
     assert "held-out α1 over step-2 (95 %)" in header and "served τ over step-2 (95 %)" in header
-    assert "unseen α1 over step-2 (95 %)" in header
+    assert "unseen α1 over step-2 (95 %)" in header and "unseen walked τ over step-2 (95 %)" in header
     assert all(line.count("|") == header.count("|") for line in lines)
     with pytest.raises(SystemExit, match="--baseline nothing: no checkpoint of that name"):  # refused before measuring
         measure(tmp_path / "unmeasured", *small, "--baseline", "nothing")
@@ -138,7 +145,8 @@ def _row(
 ) -> dict:
     """A measured row with per-prompt (tokens, forwards, accepted1, attempted1) of prompts p0, p1, ... and per
     held-out sample (hits, positions) at the first draft position; its unseen α1 counts are twice each prompt's
-    served first-draft counts (every answer position scored, where served α1 scores a round's first)."""
+    served first-draft counts (every answer position scored, where served α1 scores a round's first), its unseen
+    walks the served counts (served on the answers' own text) and its held-out walks two tokens a round."""
     keys = ("tokens", "forwards", "accepted1", "attempted1")
     per_prompt = [{"id": f"p{i}", **dict(zip(keys, c))} for i, c in enumerate(counts)]
     tau = sum(c[0] for c in counts) / sum(c[1] for c in counts)
@@ -153,6 +161,8 @@ def _row(
         "served": served,
         "unseen_alpha": [sum(c[2] for c in counts) / sum(c[3] for c in counts)],
         "unseen_per_sample": [[[2 * c[2], 2 * c[3]]] for c in counts],
+        "heldout_walked": [[2 * n, n, h] for h, n in held],
+        "unseen_walked": [[c[0], c[1], c[2]] for c in counts],
     }
 
 
@@ -171,14 +181,18 @@ def test_the_table_gives_each_rows_gains_over_the_baseline_with_their_paired_int
     header, _, *lines = data_scaling.table([base, unknown, better], {"prompts": 4}, baseline="shipped").splitlines()
     assert header.endswith(
         "| held-out α1 over shipped (95 %) | served τ over shipped (95 %) | served α1 over shipped (95 %) "
-        "| unseen α1 over shipped (95 %) |"
+        "| unseen α1 over shipped (95 %) | held-out walked τ over shipped (95 %) "
+        "| unseen walked τ over shipped (95 %) |"
     )
-    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[-4:] for line in lines}
+    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[-6:] for line in lines}
     exact = ["+0.100 [+0.100, +0.100]", "+0.200 [+0.200, +0.200]", "+0.100 [+0.100, +0.100]"]
-    assert cells["step-10"] == [*exact, "+0.100 [+0.100, +0.100] |"]
+    # held-out walks of two tokens a round on both sides: no gain; the unseen walks gain what the served τ does
+    walked = ["+0.000 [+0.000, +0.000]", "+0.200 [+0.200, +0.200] |"]
+    assert cells["step-10"] == [*exact, "+0.100 [+0.100, +0.100]", *walked]
     # step-5's single prompt does not pair with the baseline's four, for unseen α1 as for the served figures
-    assert cells["step-5"] == ["—", "—", "—", "— |"] and cells["shipped"] == ["—", "—", "—", "— |"]
-    assert lines[0].split(" | ")[-6] == "0.45"  # the baseline's unseen α1 column: 18 of 40
+    assert cells["step-5"] == ["—"] * 5 + ["— |"] and cells["shipped"] == ["—"] * 5 + ["— |"]
+    assert lines[0].split(" | ")[-10] == "0.45"  # the baseline's unseen α1 column: 18 of 40
+    assert lines[0].split(" | ")[-8:-6] == ["2.00", "1.90"]  # its walked τ: held-out (100 / 50), unseen (76 / 40)
     with pytest.raises(SystemExit, match="--baseline nothing: no checkpoint of that name"):
         data_scaling.table([base, better], {"prompts": 4}, baseline="nothing")
     assert data_scaling._signed(-0.0001) == "+0.000" and data_scaling._signed(-0.021) == "-0.021"

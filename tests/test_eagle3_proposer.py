@@ -10,6 +10,7 @@ from infer.eagle3_proposer import Eagle3Proposer
 from infer.generate import generate_speculative, generate_vanilla
 from infer.sampling import SamplingParams
 from infer.tree_search import DynamicTreeConfig
+from models.acceptance import walked_chain
 from models.eagle3 import Eagle3Drafter
 from train.draft_vocab import build_draft_vocab
 from train.losses import ttt_loss, ttt_targets
@@ -149,6 +150,11 @@ def test_a_served_chain_accepts_exactly_what_the_teacher_forced_hits_predict(tin
     res = generate_speculative(tiny_target, Eagle3Proposer(drafter, k=k), [prompt], SamplingParams(max_new_tokens=32))
     assert res.tokens[0] == cont
     assert res.stats.accepted_per_round == expected
+    # the library's replay (the training evaluation's walked τ) gives the served run's tokens, forwards and α1
+    by_root = torch.nn.functional.pad(hits, (1, 0))[:, :-1]  # pair t drafts for the round whose newest token is t+1
+    walk = walked_chain(by_root.tolist(), P, len(ids), k)
+    assert (walk.tokens, walk.rounds) == (res.stats.new_tokens, res.stats.row_forwards) == (len(cont), len(expected))
+    assert walk.first == sum(a > 0 for a in expected)
 
 
 def test_teacher_forced_first_drafts_are_the_served_ones_at_every_position(tiny_target, random_drafter):

@@ -82,6 +82,94 @@ def test_held_out_hits_are_kept_per_sample_in_the_order_each_rank_reads_them():
     assert table[0] == table[2] == table[4] == [[0, 0], [0, 0]]  # the other rank's samples: its own table's
 
 
+def test_held_out_answers_are_walked_one_loss_span_at_a_time():
+    """`answer_spans`: every run of loss tokens of one sample is an answer; a packed row's spans stop at their
+    sample's end; an answer at a row's first place (nothing before it to draft from) is not decoded.
+    `SampleHits.walk` replays each answer's chain on its own row's hits and sums them per sample."""
+    from types import SimpleNamespace
+
+    from models.acceptance import walked_chain
+    from train.config import TrainConfig
+    from train.losses import answer_spans
+    from train.schedule import SampleHits
+
+    loss = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0], [1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0]])
+    packed = torch.tensor([[1] * 12, [1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]])
+    spans = answer_spans(loss, packed)
+    assert spans == [[(2, 5), (7, 11)], [(3, 6), (6, 9)]]
+    assert answer_spans(loss) == [[(2, 5), (7, 11)], [(3, 9)]]  # unpacked: one answer
+    acc = SimpleNamespace(process_index=0, num_processes=1, device="cpu", reduce=lambda t, op: t)
+    hits = SampleHits(acc, TrainConfig(output_dir="unused", eval_samples=4), list(range(4)), depth=2)
+    by_root = torch.rand(2, 2, 12, generator=torch.Generator().manual_seed(0)) < 0.6
+    hits.walk([2, 0], by_root, spans)
+    want = [
+        [sum(walked_chain(by_root[:, b].tolist(), a, e, 2)[j] for a, e in spans[b]) for j in range(3)] for b in (0, 1)
+    ]
+    assert hits.walked() == [want[1], [0, 0, 0], want[0], [0, 0, 0]]
+    assert want[0][0] == 7 and want[1][0] == 6  # every answer token is counted once
+
+
+def test_served_path_weights_put_weight_where_the_chain_drafts():
+    """`hits_by_root` moves step i's hits from the pair it is trained at to the round whose newest token follows
+    it; `served_path_weights` weighs 1 the places the greedy chain's walk drafts from and ``off_path`` the others."""
+    from train.losses import answer_spans, hits_by_root, served_path_weights
+
+    # one row of 9 tokens, the answer at [3, 9); two steps, trained at pairs 1..6 (step 0) and 1..5 (step 1)
+    masks = [torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0, 0]]).bool(), torch.tensor([[0, 1, 1, 1, 1, 1, 0, 0, 0]]).bool()]
+    #            pair:    1      2      3      4      5      6
+    hits = [torch.tensor([True, False, False, True, True, False]), torch.tensor([True, True, False, False, True])]
+    by_root = hits_by_root(masks, hits)
+    assert by_root[0, 0].tolist() == [False, False, True, False, False, True, True, False, False]
+    assert by_root[1, 0].tolist() == [False, False, True, True, False, False, True, False, False]
+    # the walk from root 2: both drafts right (3 tokens), root 5: depth 1 right, depth 2 wrong (2 tokens), root 7: a
+    # miss, root 8 would draft past the answer's end (its last token, 8, comes from root 7's bonus)
+    spans = answer_spans(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1]]))
+    w = served_path_weights(masks, hits, spans, 0.25)
+    # asked: step 0 at pairs 1, 4, 6; step 1 at pairs 1, 4 (roots 2 and 5 accepted their first draft)
+    assert w[0].tolist() == [1.0, 0.25, 0.25, 1.0, 0.25, 1.0]
+    assert w[1].tolist() == [1.0, 0.25, 0.25, 1.0, 0.25]
+    assert all(torch.equal(x, torch.ones_like(x)) for x in served_path_weights(masks, hits, spans, 1.0))
+
+
+def test_off_path_weight_weighs_the_trained_loss_by_the_walk_of_the_batchs_own_drafts(tiny_target):
+    """`ttt_step` with ``drafter.off_path_weight``: the loss it backpropagates is the TTT loss weighted by
+    `served_path_weights` of its own top-1 drafts, on a partly trained drafter (hits and misses, so the walk is not
+    every place at depth 1 alone)."""
+    from accelerate import Accelerator
+
+    from infer.generate import generate_vanilla
+    from infer.sampling import SamplingParams
+    from models.eagle3 import Eagle3Drafter
+    from tests.test_eagle3_proposer import PROMPTS, _overfit
+    from train.features import target_signals
+    from train.losses import answer_spans, served_path_weights
+
+    prompt = PROMPTS[0]
+    cont = generate_vanilla(tiny_target, [prompt], SamplingParams(max_new_tokens=24)).tokens[0]
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=97)
+    _overfit(tiny_target, drafter, prompt + cont, ttt_steps=3, max_steps=25)
+    ids = torch.tensor([prompt + cont])
+    loss_mask = (torch.arange(ids.shape[1]) >= len(prompt)).long()[None]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+    accelerator = Accelerator(cpu=True)
+    plain = recipe.ttt_step(accelerator, drafter, tiny_target, batch, recipe.DrafterConfig(ttt_steps=3))
+    dc = recipe.DrafterConfig(ttt_steps=3, off_path_weight=0.3)
+    weighted = recipe.ttt_step(accelerator, drafter, tiny_target, batch, dc)
+    # the same loss recomputed here from the same forward
+    aux, last = target_signals(tiny_target, batch)
+    allowed, positions, _ = recipe.attention_masks(batch)
+    labels = recipe.ttt_targets(last, tiny_target.lm_head, loss_mask, drafter.t2d, 3)
+    with torch.no_grad():
+        logits = drafter(aux, ids, positions, allowed, 3, labels.masks)
+    top1 = [lg.argmax(-1) == labels.top[i] for i, lg in enumerate(logits)]
+    w = served_path_weights(labels.masks, top1, answer_spans(loss_mask), 0.3)
+    assert any(bool((x == 1).any() and (x < 1).any()) for x in w)  # the walk splits the places
+    expected = recipe.ttt_loss(logits, labels, dc.step_weight, w)
+    torch.testing.assert_close(weighted.loss, expected.loss)
+    assert not torch.allclose(weighted.loss, plain.loss)
+
+
 def test_length_grouped_batches_are_disjoint_across_ranks_and_pad_less():
     """`train.group_by_length`: every epoch still gives each rank disjoint samples (the same sample count), the
     order replays on resume, and a batch's samples have similar lengths (less padding than the random order)."""

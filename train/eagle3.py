@@ -52,7 +52,16 @@ from train.loop import (  # noqa: E402
     load_target_and_data,
     start_training,
 )
-from train.losses import TTTLoss, copy_weights, lookup_hits, ttt_loss, ttt_targets  # noqa: E402
+from train.losses import (  # noqa: E402
+    TTTLoss,
+    answer_spans,
+    copy_weights,
+    hits_by_root,
+    lookup_hits,
+    served_path_weights,
+    ttt_loss,
+    ttt_targets,
+)
 from train.optim import adamw  # noqa: E402
 from train.progress import Progress, record  # noqa: E402
 from train.report_mode import report_mode  # noqa: E402
@@ -72,6 +81,11 @@ class DrafterConfig:
     """Loss weight of the positions whose token prompt lookup would have proposed (`train.losses.lookup_hits`: a
     copy from the context), relative to the others; 1 is the plain loss. The shipped drafter is right less often
     there than elsewhere (docs/decisions.md, "Where EAGLE-3's first draft misses: it does not copy")."""
+    off_path_weight: float = 1.0
+    """Loss weight of the (position, step) places a served greedy chain of ``ttt_steps`` drafts would not draft
+    from on the batch's text (inside a run its own current drafts would have accepted), relative to the places it
+    would (`train.losses.served_path_weights`); 1 is the plain loss. Served rounds start mostly after rejections,
+    where teacher-forced gains reached served τ least (docs/decisions.md, "Walked τ")."""
     ttt_attention: str = "auto"
     """How the unroll's attention is computed: "flash" (CPU: one flash-kernel pass and a log-sum-exp merge), "dense"
     (the scores written out; any device) or "auto" (flash on CPU, dense elsewhere). Same results
@@ -92,8 +106,10 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 1 or self.ttt_steps < 1 or not 0 < self.step_weight <= 1:
             raise ValueError("need draft_vocab_size >= 1, ttt_steps >= 1 and 0 < step_weight <= 1")
-        if self.copy_weight <= 0:
-            raise ValueError(f"drafter.copy_weight must be > 0, got {self.copy_weight}")
+        if self.copy_weight <= 0 or self.off_path_weight <= 0:
+            raise ValueError(
+                f"drafter.copy_weight and off_path_weight must be > 0, got {self.copy_weight}, {self.off_path_weight}"
+            )
         if self.rebuild_vocab and not self.init_from:
             raise ValueError(
                 "drafter.rebuild_vocab rebuilds a trained drafter's vocabulary: it needs drafter.init_from"
@@ -194,8 +210,11 @@ def save_draft_vocab(accelerator, drafter: Eagle3Drafter, out: Path) -> None:
 def evaluate(
     accelerator, target, drafter, eval_set, cfg: Eagle3RecipeConfig, pad_id: int, per_sample: bool = False
 ) -> dict:
-    """Teacher-forced top-1 agreement per TTT step on held-out samples (sharded, summed over ranks) → simulated τ;
-    with ``per_sample``, also each sample's hits and positions per step (``per_sample``, `SampleHits.total`)."""
+    """Teacher-forced top-1 agreement per TTT step on held-out samples (sharded, summed over ranks) → simulated τ,
+    and the walked τ: each answer's greedy chain of ``ttt_steps`` drafts replayed on those hits
+    (`models.acceptance.walked_chain`), what serving the same text gives. With ``per_sample``, also each sample's
+    hits and positions per step (``per_sample``, `SampleHits.total`) and its walked chains (``walked``,
+    `SampleHits.walked`)."""
     model = accelerator.unwrap_model(drafter).eval()
     k = cfg.drafter.ttt_steps
     hits = SampleHits(accelerator, cfg.train, eval_set, k)
@@ -208,16 +227,23 @@ def evaluate(
         with accelerator.autocast():
             features = aux.to(model.fc.weight.dtype)
             logits = model(features, batch["input_ids"], positions, allowed, k, labels.masks, cfg.drafter.ttt_attention)
-        for i, step_logits in enumerate(logits):  # ttt_loss's top-1 agreement, kept per sample
-            hits.add(ids, i, labels.masks[i], step_logits.argmax(-1) == labels.top[i])
-    table = hits.total()
+        top1 = [step_logits.argmax(-1) == labels.top[i] for i, step_logits in enumerate(logits)]
+        for i, hit in enumerate(top1):  # ttt_loss's top-1 agreement, kept per sample
+            hits.add(ids, i, labels.masks[i], hit)
+        hits.walk(ids, hits_by_root(labels.masks, top1), answer_spans(batch["loss_mask"], sample_ids))
+    table, walked = hits.total(), hits.walked()
     model.train()
     correct = [sum(s[i][0] for s in table) for i in range(k)]
     count = [sum(s[i][1] for s in table) for i in range(k)]
     alphas = [c / max(n, 1) for c, n in zip(correct, count)]
-    out = {"eval/acc": alphas, "eval/simulated_tau": expected_tokens(alphas)}
+    tokens, rounds = sum(w[0] for w in walked), sum(w[1] for w in walked)
+    out = {
+        "eval/acc": alphas,
+        "eval/simulated_tau": expected_tokens(alphas),
+        "eval/walked_tau": tokens / max(rounds, 1),
+    }
     if per_sample:
-        out["per_sample"] = table
+        out["per_sample"], out["walked"] = table, walked
     return out
 
 
@@ -262,6 +288,11 @@ def ttt_step(accelerator, drafter, target, batch: dict[str, torch.Tensor], dc: D
         if dc.copy_weight != 1.0:
             hits = lookup_hits(batch["input_ids"], sample_ids)
             weights = copy_weights(hits, labels.masks, dc.copy_weight)
+        if dc.off_path_weight != 1.0:
+            top1 = [step_logits.detach().argmax(-1) == labels.top[i] for i, step_logits in enumerate(logits)]
+            spans = answer_spans(batch["loss_mask"], sample_ids)
+            path = served_path_weights(labels.masks, top1, spans, dc.off_path_weight)
+            weights = path if weights is None else [w * p for w, p in zip(weights, path)]
         res = ttt_loss(logits, labels, dc.step_weight, weights)
         accelerator.backward(res.loss)  # divided by train.grad_accum there
     return res

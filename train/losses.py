@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.acceptance import chain_rounds
+
 
 @dataclass
 class TTTLoss:
@@ -147,6 +149,65 @@ def copy_weights(hits: torch.Tensor, masks: list[torch.Tensor], weight: float) -
     for i, mask in enumerate(masks):
         hit = shift_left(hits, 2 + i, False)[mask]
         out.append(torch.where(hit, weight, 1.0).to(torch.float32))
+    return out
+
+
+def answer_spans(loss_mask: torch.Tensor, sample_ids: torch.Tensor | None = None) -> list[list[tuple[int, int]]]:
+    """Each row's answers as [start, end) runs of loss tokens within one sample (packed rows: ``sample_ids``), those
+    with a token before them only (an answer at a row's first place is never decoded)."""
+    flags = loss_mask.bool().tolist()  # plain lists: read one by one
+    same = None if sample_ids is None else sample_ids.tolist()
+    out = []
+    for b, row in enumerate(flags):
+        spans, t, T = [], 0, len(row)
+        while t < T:
+            end = t
+            while end < T and row[end] and (same is None or same[b][end] == same[b][t]):
+                end += 1
+            if end > t and t > 0:
+                spans.append((t, end))
+            t = max(end, t + 1)
+        out.append(spans)
+    return out
+
+
+def hits_by_root(masks: list[torch.Tensor], hits: list[torch.Tensor]) -> torch.Tensor:
+    """[k, B, T] bool from TTT step i's top-1 hits ``hits[i]`` [N_i] at its trained places ``masks[i]`` [B, T]:
+    entry (i, b, r) is whether the depth-(i+1) draft of a round whose newest context token is r is right, i.e.
+    step i at pair r - 1 (which drafts token r+1+i, `ttt_targets`); False wherever nothing was scored. What
+    `models.acceptance.chain_rounds` replays."""
+    out = torch.zeros(len(masks), *masks[0].shape, dtype=torch.bool, device=masks[0].device)
+    for i, (mask, hit) in enumerate(zip(masks, hits)):
+        out[i, :, 1:] = torch.zeros_like(mask).masked_scatter_(mask, hit)[:, :-1]
+    return out
+
+
+def served_path_weights(
+    masks: list[torch.Tensor],
+    hits: list[torch.Tensor],
+    spans: list[list[tuple[int, int]]],
+    off_path: float,
+) -> list[torch.Tensor]:
+    """Per TTT step i, [N_i] float: 1 where serving asks for step i's draft at that place, ``off_path`` elsewhere.
+
+    Serving asks only along the greedy chain's walk (`models.acceptance.chain_rounds` of each answer in ``spans``,
+    `answer_spans`, on this batch's own hits, as deep as the unroll): at a round's first place, and deeper there only
+    while the drafts before were right. The other places are ones the served drafter never drafts from on this text
+    (inside an accepted run); the plain loss weighs them alike. Rounds mostly start right after a rejection, so the
+    walk puts the weight where acceptance is lowest (docs/decisions.md, "Walked τ")."""
+    k = len(masks)
+    by_root = hits_by_root(masks, hits)
+    asked = torch.zeros_like(by_root)
+    maps = by_root.permute(1, 0, 2).tolist()
+    for b, row in enumerate(spans):
+        for start, end in row:
+            for r, a in chain_rounds(maps[b], start, end, k):
+                asked[: min(a + 1, k), b, r] = True
+    out = []
+    for i, mask in enumerate(masks):
+        on_path = torch.zeros_like(mask)
+        on_path[:, :-1] = asked[i, :, 1:]  # back from roots to the pairs step i is trained at
+        out.append(torch.where(on_path[mask], 1.0, off_path).to(torch.float32))
     return out
 
 

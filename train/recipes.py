@@ -26,16 +26,17 @@ from train import eagle3, medusa, mtp
 
 ROOT = Path(__file__).resolve().parents[1]
 
-HeldoutAcceptance = Callable[
-    [Accelerator, TargetModel, torch.nn.Module, Any, Any, int], tuple[list[float], list[list[list[int]]]]
-]
+Acceptance = tuple[list[float], list[list[list[int]]], list[list[int]] | None]
+HeldoutAcceptance = Callable[[Accelerator, TargetModel, torch.nn.Module, Any, Any, int], Acceptance]
 """(accelerator, target, drafter, held-out set, recipe config, pad id) → teacher-forced top-1 agreement per draft
-position on the held-out set, as the training run logs it (``eval/acc``), and each held-out sample's hits and
-positions per draft position (`train.schedule.SampleHits.total`), which pair two drafters' evaluations."""
+position on the held-out set, as the training run logs it (``eval/acc``), each held-out sample's hits and positions
+per draft position (`train.schedule.SampleHits.total`), which pair two drafters' evaluations, and each sample's
+greedy chains replayed on those hits (`train.schedule.SampleHits.walked`; None for a family whose evaluation does
+not replay them: Medusa's and MTP's)."""
 
 
-def _acceptance(result: dict) -> tuple[list[float], list[list[list[int]]]]:
-    return result["eval/acc"], result["per_sample"]
+def _acceptance(result: dict, walked: bool) -> Acceptance:
+    return result["eval/acc"], result["per_sample"], result["walked"] if walked else None
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class TrainingEntry:
 
 def _mtp_acceptance(accelerator, target, drafter, eval_set, cfg: mtp.MTPRecipeConfig, pad_id: int):
     tc, ranks = cfg.train, cfg.mtp.tree_ranks
-    return _acceptance(mtp.evaluate(accelerator, target, drafter, eval_set, tc, ranks, pad_id, per_sample=True))
+    return _acceptance(mtp.evaluate(accelerator, target, drafter, eval_set, tc, ranks, pad_id, per_sample=True), False)
 
 
 TRAINING: tuple[TrainingEntry, ...] = (
@@ -62,13 +63,13 @@ TRAINING: tuple[TrainingEntry, ...] = (
         eagle3_proposer.FAMILY,
         eagle3.Eagle3RecipeConfig,
         eagle3.main,
-        lambda *args: _acceptance(eagle3.evaluate(*args, per_sample=True)),
+        lambda *args: _acceptance(eagle3.evaluate(*args, per_sample=True), True),
     ),
     TrainingEntry(
         medusa_proposer.FAMILY,
         medusa.MedusaRecipeConfig,
         medusa.main,
-        lambda *args: _acceptance(medusa.evaluate(*args, per_sample=True)),
+        lambda *args: _acceptance(medusa.evaluate(*args, per_sample=True), False),
     ),
     TrainingEntry(mtp_proposer.FAMILY, mtp.MTPRecipeConfig, mtp.main, _mtp_acceptance),
 )

@@ -11,6 +11,7 @@ import functools
 import torch
 from accelerate import Accelerator
 
+from models.acceptance import walked_chain
 from train.config import TrainConfig
 from train.data.dataset import collate
 
@@ -134,6 +135,7 @@ class SampleHits:
         self.accelerator = accelerator
         n = min(len(eval_set), tc.eval_samples)
         self.counts = torch.zeros(n, depth, 2, dtype=torch.long, device=accelerator.device)
+        self.walks = torch.zeros(n, 3, dtype=torch.long, device=accelerator.device)
 
     def add(self, ids: list[int], depth: int, scored: torch.Tensor, hit: torch.Tensor) -> None:
         """One batch at one draft position: ``ids`` its rows' sample indices (`eval_shares`), ``scored`` [B, T] bool
@@ -144,6 +146,21 @@ class SampleHits:
         self.counts[:, depth, 0].index_add_(0, index[rows], hit.long())
         self.counts[:, depth, 1].index_add_(0, index, scored.sum(1).long())
 
+    def walk(self, ids: list[int], by_root: torch.Tensor, spans: list[list[tuple[int, int]]]) -> None:
+        """One batch's answers (``spans``, `train.losses.answer_spans`) decoded by greedy chains as deep as the
+        evaluation, replayed on its hits (``by_root`` [depth, B, T], `train.losses.hits_by_root`;
+        `models.acceptance.walked_chain`)."""
+        maps = by_root.permute(1, 0, 2).tolist()  # plain lists: the walk reads them one by one
+        for b, sample in enumerate(ids):
+            for start, end in spans[b]:
+                w = walked_chain(maps[b], start, end, len(maps[b]))
+                self.walks[sample] += torch.tensor(w, device=self.walks.device)
+
     def total(self) -> list[list[list[int]]]:
         """The table summed over ranks, as nested lists (sample, position, (hits, positions))."""
         return self.accelerator.reduce(self.counts, "sum").tolist()
+
+    def walked(self) -> list[list[int]]:
+        """Each sample's replayed chains summed over its answers and over ranks: (tokens, rounds, rounds whose first
+        draft was accepted); τ and served-style α1 are ratios of their sums."""
+        return self.accelerator.reduce(self.walks, "sum").tolist()

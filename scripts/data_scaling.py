@@ -191,7 +191,8 @@ teacher-forced figures count the positions whose target token the draft vocabula
 so they pair drafters of one vocabulary; served α1 counts every round.
 
 Walked τ is served τ without the text's own swings: each answer's greedy chain replayed on the teacher-forced hits
-(`models.acceptance.walked_chain`), on the same text for every drafter; served τ decodes each drafter's own text,
+(`models.acceptance.walked_chain`; a chain as deep as the recipe's unroll, where served τ's is ``--chain``), on the
+same text for every drafter; served τ decodes each drafter's own text,
 which at bf16 parts from the reference answer at near-ties and then differs in how hard it is to draft. On the
 held-out set it is the served τ of answers of the training kind; on the unseen file, of the prompts' answers."""
 

@@ -15,8 +15,8 @@ the held-out evaluation and the chain (`train.recipes.TrainingEntry`, `infer.fam
 ``<out>/curve.md`` and the plot ``<out>/curve.png`` are drawn from it. With ``--baseline NAME`` the table also gives
 each row's held-out α1, served τ and α1, unseen α1 and walked τ gains over that checkpoint with 95 % intervals from
 a paired bootstrap over the held-out samples or the prompts (both drafters read each held-out sample and answer each
-prompt alike, so a gain is judged against its own spread, not the file's). Unseen α is the held-out evaluation run on the
-target's greedy answers to the prompt file (teacher-forced, every answer position; the answers are written into
+prompt alike, so a gain is judged against its own spread, not the file's). Unseen α is the held-out evaluation run
+on the target's greedy answers to the prompt file (teacher-forced, every answer position; the answers are written into
 ``curve.json`` once and every later row is scored on them).
 """
 
@@ -192,9 +192,9 @@ so they pair drafters of one vocabulary; served α1 counts every round.
 
 Walked τ is served τ without the text's own swings: each answer's greedy chain replayed on the teacher-forced hits
 (`models.acceptance.walked_chain`; a chain as deep as the recipe's unroll, where served τ's is ``--chain``), on the
-same text for every drafter; served τ decodes each drafter's own text,
-which at bf16 parts from the reference answer at near-ties and then differs in how hard it is to draft. On the
-held-out set it is the served τ of answers of the training kind; on the unseen file, of the prompts' answers."""
+same text for every drafter; served τ decodes each drafter's own text, which at bf16 parts from the reference answer
+at near-ties and then differs in how hard it is to draft. On the held-out set it is the served τ of answers of the
+training kind; on the unseen file, of the prompts' answers."""
 
 
 def counted(row: dict) -> bool:
